@@ -108,7 +108,7 @@ def test_parallel_tool_calls_false_keeps_the_first_call(srv: SimpleNamespace) ->
 
 
 def test_stream_helper_announces_every_forced_call(srv: SimpleNamespace) -> None:
-    """Forced calls come whole at the end; their finish comes in a chunk of its own (as
+    """Forced calls stream as they are generated; their finish comes in a chunk of its own (as
     OpenAI's), so the SDK's helper sends arguments.done for each call, the last one too."""
     srv.engine.script = '{"city": "Paris"}'
     named = {"type": "function", "function": {"name": "get_weather"}}

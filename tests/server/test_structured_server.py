@@ -256,25 +256,28 @@ def test_tool_choice_required(client) -> None:
 
 
 def test_tool_choice_named_streaming(client) -> None:
-    stream = client.chat.completions.create(
-        model="tiny", messages=MSGS, max_tokens=60, temperature=0, tools=TOOLS, stream=True,
-        tool_choice={"type": "function", "function": {"name": "forecast"}},
-    )  # fmt: skip
-    args, names, finish = "", [], None
-    for chunk in stream:
+    """The arguments stream as they are generated (the name in the first piece only), joined:
+    the non-streamed answer's arguments, the text as the model wrote it (as vLLM sends it)."""
+    kw = {"model": "tiny", "messages": MSGS, "max_tokens": 60, "temperature": 0, "tools": TOOLS,
+          "tool_choice": {"type": "function", "function": {"name": "forecast"}}}  # fmt: skip
+    args, names, pieces, finish = "", [], 0, None
+    for chunk in client.chat.completions.create(**kw, stream=True):
         for c in chunk.choices:
             for tc in c.delta.tool_calls or []:
-                names.append(tc.function.name)
+                names += [tc.function.name] if tc.function.name else []
                 args += tc.function.arguments or ""
+                pieces += bool(tc.function.arguments) and c.finish_reason is None
             finish = c.finish_reason or finish
-    assert names == ["forecast"] and finish == "stop"
+    assert names == ["forecast"] and finish == "stop" and pieces > 1
     jsonschema.validate(json.loads(args), CITY)
+    (call,) = client.chat.completions.create(**kw).choices[0].message.tool_calls
+    assert call.function.arguments == args
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_forced_calls_cut_short_by_max_tokens_never_come_back_as_text(client, stream) -> None:
     """As OpenAI and vLLM answer: a named call keeps its partial arguments; "required" keeps
-    only the calls it completed (here none); the forced JSON is never `content`."""
+    the calls whose names were complete (here none); the forced JSON is never `content`."""
     named = {"type": "function", "function": {"name": "forecast"}}
     for choice in ("required", named):
         kw = {"model": "tiny", "messages": MSGS, "max_tokens": 4, "temperature": 0}

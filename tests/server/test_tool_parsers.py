@@ -292,17 +292,21 @@ def test_json_list_parsers_refuse_what_is_not_a_list_of_calls() -> None:
     assert TOOL_PARSERS["granite"].keeps_special_tokens
 
 
-def test_forced_outputs_cut_short_keep_what_is_complete() -> None:
-    """max_tokens ended a forced output: "required" keeps the calls its array completed, a named
-    call its partial arguments; the JSON never becomes content, whole or streamed."""
+def test_forced_outputs_cut_short_keep_what_was_announced() -> None:
+    """max_tokens ended a forced output: "required" keeps the calls whose names were complete
+    (the last with its partial arguments, as a stream announced them), a named call its partial
+    arguments; the JSON never becomes content, whole or streamed (test_forced_calls.py)."""
     from paged_server.tools import ToolOutput, ToolRequest
 
     required = ToolRequest(tools=[], choice="required")
     text = '[{"name": "a", "parameters": {"x": 1}}, {"name": "b", "parame'
     msg, reason = ToolOutput(required, None).message(text, "length")
     assert msg["content"] is None and reason == "length"
-    assert [c["function"] for c in msg["tool_calls"]] == [{"name": "a", "arguments": '{"x": 1}'}]
-    msg, _ = ToolOutput(required, None).message('[{"name": "a", "param', "length")
+    assert [c["function"] for c in msg["tool_calls"]] == [
+        {"name": "a", "arguments": '{"x": 1}'},
+        {"name": "b", "arguments": ""},
+    ]
+    msg, _ = ToolOutput(required, None).message('[{"name": "a', "length")
     assert msg == {"role": "assistant", "content": None}
     named = ToolRequest(tools=[], choice="named", named="f")
     msg, reason = ToolOutput(named, None).message('{"city": "Pa', "length")
@@ -313,9 +317,12 @@ def test_forced_outputs_cut_short_keep_what_is_complete() -> None:
     out = ToolOutput(required, None)
     chunks = [out.rewrite({"index": 0, "delta": {"content": p}, "finish_reason": None}) for p in (
         '[{"name": "a", "par', 'ameters": {}}, {"na')]  # fmt: skip
-    assert chunks == [None, None]
-    last = out.rewrite({"index": 0, "delta": {"content": "me"}, "finish_reason": "length"})
-    assert last is not None and "content" not in last["delta"] and last["finish_reason"] == "length"
-    assert [c["function"] for c in last["delta"]["tool_calls"]] == [
-        {"name": "a", "arguments": "{}"}
+    assert chunks[0] is not None and chunks[0]["delta"]["tool_calls"][0]["function"] == {
+        "name": "a",
+        "arguments": "",
+    }
+    assert chunks[1] is not None and chunks[1]["delta"]["tool_calls"] == [
+        {"index": 0, "function": {"arguments": "{}"}}
     ]
+    last = out.rewrite({"index": 0, "delta": {"content": "me"}, "finish_reason": "length"})
+    assert last == {"index": 0, "delta": {}, "finish_reason": "length"}

@@ -13,21 +13,22 @@ parallel_tool_calls false keeps only the first parsed call (index 0 in a stream)
 maybe_filter_parallel_tool_calls does; the Responses and Messages APIs pass theirs through.
 
 Forced outputs are valid JSON for the functions' parameters by construction, unless max_tokens
-cuts them short: then a named call carries the partial arguments text and "required" the calls
-completed before the cut, never the forced JSON as content (finish_reason "length").
+cuts them short (finish_reason "length"): then a named call carries the partial arguments text
+and "required" the calls announced before the cut, the last with its partial arguments; never
+the forced JSON as content. Forced calls stream as they are generated (forced_calls.py: the
+same reader makes the whole answer, so a call's streamed pieces join to its arguments).
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from paged_server.errors import bad_request
+from paged_server.forced_calls import ForcedCalls, forced_calls
 from paged_server.tool_parsers import TOOL_PARSERS, ParsedCall, ToolParser
 from paged_server.tool_parsers.base import parse_or_content
-from paged_server.tool_parsers.json_list import scan_call_list
 
 # llguidance's parser follows at most 2000 alternatives at a time: past that a forced call list
 # failed after its first token (a 200 with no call)
@@ -64,22 +65,8 @@ class ToolRequest:
         return {"json": array}
 
     def calls_from_forced(self, text: str) -> list[ParsedCall]:
-        """The tool calls of a forced output. Cut short by max_tokens: a named call keeps its
-        partial arguments text (as OpenAI and vLLM answer it), "required" the calls its array
-        completed (none: vLLM's answer)."""
-        if self.choice == "named":
-            assert self.named is not None
-            try:
-                args = json.dumps(json.loads(text), ensure_ascii=False)
-            except ValueError:
-                args = text
-            return [ParsedCall(self.named, args)]
-        calls = scan_call_list(text, 0, ("parameters",))  # the last may be cut short
-        return [
-            ParsedCall(c.name, json.dumps(json.loads(c.args), ensure_ascii=False))
-            for c in calls
-            if c.end is not None and c.name is not None and c.args_done
-        ]
+        """The tool calls of a forced output (what its stream announces, forced_calls.py)."""
+        return forced_calls(text, self.named if self.choice == "named" else None)
 
 
 def parse_tools(body: dict[str, Any], parser_name: str | None) -> ToolRequest | None:
@@ -173,7 +160,8 @@ class ToolOutput:
         if self.parser is not None:
             self.parser.schemas = req.schemas
         self.stream = self.parser.streamer() if self.parser is not None else None
-        self.held: list[str] = []  # forced outputs: the JSON's pieces, held until the end
+        forced = req.choice in ("required", "named")
+        self.forced = ForcedCalls(req.named if req.choice == "named" else None) if forced else None
         self.new_id = call_id_maker(parser)  # forced calls too
 
     def _calls(self, text: str) -> tuple[str | None, list[ParsedCall]]:
@@ -206,22 +194,19 @@ class ToolOutput:
         text = delta.get("content", "")
         reason = entry.get("finish_reason")
         entries: list[dict[str, Any]] = []  # delta.tool_calls
+        shown = ""
         if self.stream is not None:
             shown, entries = self.stream.feed(text)
-        else:
-            self.held.append(text)
-            shown = ""
+        elif self.forced is not None:  # the text is the calls' JSON, never content
+            entries = self.forced.feed(text)
         calls: list[ParsedCall] = []
         if reason is not None:
             if self.stream is not None:
                 rest, more, calls = self.stream.finish()
                 shown, entries = shown + rest, entries + more
-            else:  # forced calls: whole, once the output is complete
-                content, calls = self._calls("".join(self.held))
-                shown += content or ""
-                entries = [
-                    {"index": k, **c} for k, c in enumerate(tool_call_json(calls, self.new_id))
-                ]
+            elif self.forced is not None:
+                more, calls = self.forced.finish()
+                entries += more
         if not self.req.parallel:  # as message(): the first call only
             entries = [e for e in entries if e["index"] == 0]
         # reasoning.py split the reasoning off before: it passes through

@@ -535,6 +535,31 @@ def test_the_store_is_a_bounded_lru() -> None:
     assert store.delete("a") and not store.delete("a") and len(store) == 1
 
 
+def test_the_store_bounds_the_kept_background_events() -> None:
+    """Background streamed responses keep every event for followers (~250 bytes a token): past
+    max_event_bytes in all, the least recently used finished runs go first; a running one
+    stays (its events still grow; the count bounds it)."""
+    from paged_server.response_background import BackgroundRun
+
+    store = ResponseStore(capacity=10, max_event_bytes=1000)
+
+    def put(rid: str, size: int, ended: bool = True) -> None:
+        stored = StoredResponse({"id": rid}, [])
+        run = stored.run = BackgroundRun(stored, keep_events=True)
+        run.send_event({"pad": "x" * size})
+        run.ended = ended
+        store.put(stored)
+
+    put("running", 400, ended=False)
+    put("old", 400)
+    put("plain", 0)
+    store.put(StoredResponse({"id": "no-run"}, []))
+    assert len(store) == 4  # 2 x ~430 bytes: under the bound
+    put("new", 400)  # ~1290 bytes: "old" (the LRU finished run) goes, "running" stays
+    assert store.get("old") is None
+    assert all(store.get(rid) is not None for rid in ("running", "plain", "no-run", "new"))
+
+
 # ---- the official client on a real model ---------------------------------------------------
 def test_openai_client_on_a_real_model_matches_chat_completions(real_server: ServerProc) -> None:
     client = openai.OpenAI(base_url=real_server.url + "/v1", api_key="EMPTY", max_retries=0)

@@ -40,6 +40,7 @@ class BackgroundRun:
     def __init__(self, stored: StoredResponse, keep_events: bool) -> None:
         self.stored = stored
         self.events: list[bytes] | None = [] if keep_events else None  # index = sequence_number
+        self.event_bytes = 0  # the kept events' size (ResponseStore bounds the sum)
         self.ended = False  # no event follows
         self.cancelled = threading.Event()
         self.finished = False  # the final body is published (settle)
@@ -65,6 +66,7 @@ class BackgroundRun:
         data = b"event: %s\ndata: %s\n\n" % (name, json.dumps(obj).encode())
         with self.cond:
             self.events.append(data)
+            self.event_bytes += len(data)
             self.cond.notify_all()
 
     def end_stream(self, done: bool = True) -> None:

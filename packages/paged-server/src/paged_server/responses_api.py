@@ -45,6 +45,10 @@ if TYPE_CHECKING:
     from paged_server.request_group import RequestGroup
 
 MAX_STORED = 1000
+# The events kept for background streamed responses' followers, all together (~250 bytes a
+# token: 1000 responses of 32k tokens would hold ~8 GB); past it the least recently used
+# finished ones are dropped first, as past MAX_STORED.
+MAX_EVENT_BYTES = 1 << 30
 
 
 def _new_id(prefix: str) -> str:
@@ -61,10 +65,14 @@ class StoredResponse:
 
 
 class ResponseStore:
-    """The newest `capacity` stored responses (least recently used dropped first)."""
+    """The newest `capacity` stored responses (least recently used dropped first), their kept
+    background events at most `max_event_bytes` in all: checked as a response is stored, the
+    least recently used finished runs' responses dropped until the sum fits (a running one's
+    events still grow; the count bounds those)."""
 
-    def __init__(self, capacity: int = MAX_STORED) -> None:
+    def __init__(self, capacity: int = MAX_STORED, max_event_bytes: int = MAX_EVENT_BYTES) -> None:
         self.capacity = capacity
+        self.max_event_bytes = max_event_bytes
         self._items: OrderedDict[str, StoredResponse] = OrderedDict()
         self._lock = threading.Lock()  # HTTP threads share it
 
@@ -73,6 +81,14 @@ class ResponseStore:
             self._items[stored.body["id"]] = stored
             while len(self._items) > self.capacity:
                 self._items.popitem(last=False)
+            runs = [(rid, s.run) for rid, s in self._items.items() if s.run is not None]
+            total = sum(run.event_bytes for _, run in runs)
+            for rid, run in runs:  # least recently used first
+                if total <= self.max_event_bytes:
+                    break
+                if run.ended and rid != stored.body["id"]:
+                    del self._items[rid]
+                    total -= run.event_bytes
 
     def get(self, rid: str) -> StoredResponse | None:
         with self._lock:

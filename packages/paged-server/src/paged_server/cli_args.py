@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'; '
         '\'{"model": DRAFT, ...}\' (a draft model) or \'{"method": "eagle3", "model": HEAD, '
-        "...}' (an EAGLE-3 head)",
+        '...}\' (an EAGLE-3 head); \'{"method": "suffix"}\' (suffix decoding: no model)',
     )
     p.add_argument(
         "--kv-transfer-config",

@@ -1,8 +1,9 @@
 """Requests exactly as popular client libraries other than the official SDKs send them (LangChain's
 `ChatOpenAI` / `OpenAI`, LiteLLM's `openai/` and `hosted_vllm/` providers, the OpenAI Agents
-SDK, pydantic-ai, instructor), captured with a logging proxy in front of paged-server and
-replayed here over raw HTTP, so the suite needs none of these libraries. Each body below is
-byte-for-byte what the library sent (ids aside); the assertions are what the library then reads
+SDK, pydantic-ai, instructor, smolagents, AutoGen, LlamaIndex, Haystack), captured with a
+logging proxy in front of paged-server and replayed here over raw HTTP, so the suite needs none
+of these libraries. Each body below is byte-for-byte what the library sent (ids aside; long
+system prompts cut short); the assertions are what the library then reads
 from the answer. vLLM is the reference: a request it serves is served here, and what the
 library parses is shaped as vLLM shapes it."""
 
@@ -426,3 +427,248 @@ def test_instructor_parallel_tools_and_json_schema(srv: SimpleNamespace) -> None
     status, r = _post(srv, "/v1/chat/completions", body)
     assert status == 200 and r["choices"][0]["message"]["content"] == srv.engine.script, r
     assert _forced_schema(srv, r["id"]) == {**schema, "title": "Weather"}
+
+
+# ---- smolagents 1.26 / autogen-agentchat + autogen-ext 0.7.5 / llama-index-llms-openai-like 0.8
+# ---- / haystack-ai 3.4 (openai 2.54 underneath): captured the same way; all of them passed -----
+# (smolagents' system prompts, thousands of tokens, are cut to their first sentence here)
+SMOL_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Get the weather.",
+     "parameters": {"type": "object", "properties": {"city": {"type": "string",
+     "description": "the city"}}, "required": ["city"]}}},
+    {"type": "function", "function": {"name": "final_answer", "description":
+     "Provides a final answer to the given problem.", "parameters": {"type": "object",
+     "properties": {"answer": {"type": "string", "description": "The final answer to the "
+     "problem"}}, "required": ["answer"]}}},
+]  # fmt: skip
+SMOL_TASK = [
+    {"role": "system", "content": [{"type": "text", "text": "You are an expert assistant who "
+     "can solve any task using tool calls."}]},
+    {"role": "user", "content": [{"type": "text", "text": "New task:\nWeather in Oslo?"}]},
+]  # fmt: skip
+
+
+def _streamed_calls(chunks: list[dict]) -> dict[int, dict]:
+    """Tool-call deltas merged by index, as the openai SDK's stream helpers merge them."""
+    calls: dict[int, dict] = {}
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            for d in choice["delta"].get("tool_calls") or []:
+                call = calls.setdefault(d["index"], {"id": d.get("id"), "name": "", "args": ""})
+                fn = d.get("function") or {}
+                call["name"] += fn.get("name") or ""
+                call["args"] += fn.get("arguments") or ""
+    return calls
+
+
+def test_smolagents_tool_calling_agent(srv: SimpleNamespace) -> None:
+    """ToolCallingAgent (OpenAIServerModel): tool_choice "required" beside stop strings,
+    content as text parts; the next turn replays the call as assistant text and the
+    observation as a user turn. Streamed (stream_outputs=True), every call's id and name come
+    in its first delta and the arguments concatenate to the JSON the agent parses."""
+    body = {"messages": SMOL_TASK, "model": "tiny", "stop": ["Observation:", "Calling tools:"],
+            "tool_choice": "required", "tools": SMOL_TOOLS}  # fmt: skip
+    srv.engine.script = '[{"name": "get_weather", "parameters": {"city": "Oslo"}}]'
+    status, r = _post(srv, "/v1/chat/completions", body)
+    assert status == 200, r
+    choice = r["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    follow = {**body, "messages": [
+        *SMOL_TASK,
+        {"role": "assistant", "content": [{"type": "text", "text": "Calling tools:\n[{'id': '"
+         + call["id"] + "', 'type': 'function', 'function': {'name': 'get_weather', "
+         "'arguments': {'city': 'Oslo'}}}]"}]},
+        {"role": "user", "content": [{"type": "text", "text": "Observation:\nSunny in Oslo"}]},
+    ], "stream_options": {"include_usage": True}}  # fmt: skip
+    srv.engine.script = '[{"name": "final_answer", "parameters": {"answer": "Sunny"}}]'
+    *chunks, last = srv.http.stream(follow, "/v1/chat/completions")
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] > 0
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    (streamed,) = _streamed_calls(chunks).values()
+    assert streamed["id"] and streamed["name"] == "final_answer"
+    assert streamed["args"] == '{"answer": "Sunny"}'
+
+
+def test_smolagents_code_agent_stop_sequences(srv: SimpleNamespace) -> None:
+    """CodeAgent: the code block ends at the "</code>" stop string, which the answer leaves
+    out (stop_reason names it), streamed without a partial "</co" ever leaking; with
+    use_structured_outputs_internally, a strict json_schema beside the stop strings."""
+    body = {"messages": SMOL_TASK, "model": "tiny",
+            "stop": ["Observation:", "Calling tools:", "</code>"]}  # fmt: skip
+    srv.engine.script = "Thought: go\n<code>\nprint(get_weather('Oslo'))\n</code>\nObservation:"
+    want = "Thought: go\n<code>\nprint(get_weather('Oslo'))\n"
+    status, r = _post(srv, "/v1/chat/completions", body)
+    assert status == 200, r
+    choice = r["choices"][0]
+    assert (choice["message"]["content"], choice["finish_reason"]) == (want, "stop")
+    assert choice["stop_reason"] == "</code>"
+    *chunks, last = srv.http.stream(
+        {**body, "stream_options": {"include_usage": True}}, "/v1/chat/completions"
+    )
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == want
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop" and last["usage"]
+    schema = {"additionalProperties": False, "properties": {
+        "thought": {"description": "A free form text description of the thought process.",
+                    "title": "Thought", "type": "string"},
+        "code": {"description": "Valid Python code snippet implementing the thought.",
+                 "title": "Code", "type": "string"}},
+        "required": ["thought", "code"], "title": "ThoughtAndCodeAnswer",
+        "type": "object"}  # fmt: skip
+    structured = {**body, "response_format": {"type": "json_schema", "json_schema": {
+        "schema": schema, "name": "ThoughtAndCodeAnswer", "strict": True}}}  # fmt: skip
+    srv.engine.script = '{"thought": "t", "code": "final_answer(1)"}'
+    status, r = _post(srv, "/v1/chat/completions", structured)
+    assert status == 200 and r["choices"][0]["message"]["content"] == srv.engine.script, r
+    assert _forced_schema(srv, r["id"]) == schema
+
+
+AG_SYSTEM = {"content": "You are a helpful AI assistant. Solve tasks using your tools. Reply "
+             "with TERMINATE when the task has been completed.", "role": "system"}  # fmt: skip
+AG_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "w",
+    "parameters": {"type": "object", "properties": {"city": {"description": "city",
+    "title": "City", "type": "string"}}, "required": ["city"], "additionalProperties": False},
+    "strict": True}}  # fmt: skip
+AG_FORMAT = {"type": "json_schema", "json_schema": {"schema": {**OUT, "title": "Weather"},
+             "name": "Weather", "strict": True}}  # fmt: skip
+
+
+def test_autogen_assistant_agent_tools_with_structured_output(srv: SimpleNamespace) -> None:
+    """AssistantAgent(tools=..., output_content_type=Weather, reflect_on_tool_use=True) over
+    OpenAIChatCompletionClient(model_info=...): the first turn sends the tools (tool_choice
+    "auto") beside the json_schema response_format, and user turns carry a `name`; the
+    reflection turn sends the tool result back with the format alone."""
+    first = {"messages": [AG_SYSTEM, {"role": "user", "name": "user", "content": "Weather in "
+             "Oslo?"}], "model": "tiny", "response_format": AG_FORMAT, "stream": False,
+             "tool_choice": "auto", "tools": [AG_TOOL]}  # fmt: skip
+    srv.engine.script = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}' \
+        "\n</tool_call>"  # fmt: skip
+    status, r = _post(srv, "/v1/chat/completions", first)
+    assert status == 200, r
+    assert r["choices"][0]["finish_reason"] == "tool_calls"
+    (call,) = r["choices"][0]["message"]["tool_calls"]
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    reflect = {"messages": [*first["messages"], {"role": "assistant", "tool_calls": [
+        {"id": call["id"], "function": call["function"], "type": "function"}], "content": None},
+        {"content": "Sunny in Oslo", "role": "tool", "tool_call_id": call["id"]}],
+        "model": "tiny", "response_format": AG_FORMAT, "stream": False}  # fmt: skip
+    srv.engine.script = '{"city": "Oslo", "temp": 3}'
+    status, r = _post(srv, "/v1/chat/completions", reflect)
+    assert status == 200 and r["choices"][0]["message"]["content"] == srv.engine.script, r
+    assert _forced_schema(srv, r["id"]) == {**OUT, "title": "Weather"}
+
+
+def test_autogen_named_tool_choice_and_streamed_thoughts(srv: SimpleNamespace) -> None:
+    """create(tools=[tool], tool_choice=tool) names the function: the call comes back with
+    finish_reason "stop", as vLLM and OpenAI answer a named choice (autogen only warns).
+    create_stream reads a thought only from the deltas' `reasoning_content` (vLLM's older
+    name, sent beside `reasoning`), and usage only when stream_options asks for it."""
+    body = {"messages": [{"role": "user", "name": "user", "content": "Weather?"}],
+            "model": "tiny", "stream": False, "tools": [AG_TOOL],
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}  # fmt: skip
+    srv.engine.script = '{"city": "Oslo"}'
+    status, r = _post(srv, "/v1/chat/completions", body)
+    assert status == 200, r
+    choice = r["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    assert choice["message"]["tool_calls"][0]["function"]["arguments"] == '{"city": "Oslo"}'
+    srv.engine.script = "<think>hmm</think>Hello"
+    body = {"messages": [{"role": "user", "name": "user", "content": "Hi"}], "model": "tiny",
+            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    *chunks, last = srv.http.stream(body, "/v1/chat/completions")
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert "".join(d.get("reasoning_content") or "" for d in deltas) == "hmm"
+    assert all(d.get("reasoning") == d.get("reasoning_content") for d in deltas)
+    assert "".join(d.get("content") or "" for d in deltas) == "Hello"
+    assert last["usage"]["prompt_tokens"] > 0 and last["choices"] == []
+
+
+LI_WEATHER = {"type": "function", "function": {"name": "get_weather", "description":
+    "get_weather(city: str) -> str\nGet the weather for a city.", "parameters": {"properties":
+    {"city": {"title": "City", "type": "string"}}, "required": ["city"], "type": "object",
+    "additionalProperties": False}, "strict": False}}  # fmt: skip
+
+
+def test_llama_index_openai_like(srv: SimpleNamespace) -> None:
+    """OpenAILike(is_chat_model=True, is_function_calling_model=True): structured_predict /
+    as_structured_llm send the output class as the one tool with tool_choice "required" and
+    parallel_tool_calls false; FunctionAgent streams with parallel_tool_calls true and merges
+    the call deltas by index; OpenAILike(is_chat_model=False, logprobs=True, top_logprobs=2)
+    sends /v1/completions with `logprobs` as a count and reads `top_logprobs` dicts."""
+    out_tool = {"type": "function", "function": {"name": "Weather", "description": "Weather.",
+                "parameters": OUT, "strict": False}}  # fmt: skip
+    body = {"messages": [{"role": "user", "content": "Weather in Oslo?"}], "model": "tiny",
+            "parallel_tool_calls": False, "stream": False, "temperature": 0.1,
+            "tool_choice": "required", "tools": [out_tool]}  # fmt: skip
+    srv.engine.script = '[{"name": "Weather", "parameters": {"city": "Oslo", "temp": 3}}]'
+    status, r = _post(srv, "/v1/chat/completions", body)
+    assert status == 200, r
+    (call,) = r["choices"][0]["message"]["tool_calls"]
+    assert call["function"] == {"name": "Weather", "arguments": '{"city": "Oslo", "temp": 3}'}
+    agent = {**body, "parallel_tool_calls": True, "stream": True, "tool_choice": "auto",
+             "tools": [LI_WEATHER]}  # fmt: skip
+    srv.engine.script = "<think>x</think>" + "\n".join(
+        f'<tool_call>\n{{"name": "get_weather", "arguments": {{"city": "{c}"}}}}\n</tool_call>'
+        for c in ("Oslo", "Rome")
+    )
+    chunks = srv.http.stream(agent, "/v1/chat/completions")
+    calls = _streamed_calls(chunks)
+    assert [(c["name"], c["args"]) for c in calls.values()] == [
+        ("get_weather", '{"city": "Oslo"}'), ("get_weather", '{"city": "Rome"}')
+    ]  # fmt: skip
+    assert len({c["id"] for c in calls.values()}) == 2
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    srv.engine.script = "Hello"
+    body = {"model": "tiny", "prompt": "Hi", "logprobs": 2, "max_tokens": 10, "stream": False,
+            "temperature": 0.1}  # fmt: skip
+    status, r = _post(srv, "/v1/completions", body)
+    assert status == 200, r
+    logprobs = r["choices"][0]["logprobs"]
+    assert "".join(logprobs["tokens"]) == "Hello"
+    assert all(len(top) == 2 for top in logprobs["top_logprobs"])
+
+
+HS_TOOL = {"type": "function", "name": "get_weather", "description": "Get the weather for a "
+           "city.", "parameters": {"properties": {"city": {"type": "string"}}, "required":
+           ["city"], "type": "object", "additionalProperties": False}, "strict": False}  # fmt: skip
+
+
+def test_haystack_chat_generators(srv: SimpleNamespace) -> None:
+    """OpenAIChatGenerator(api_base_url=...): `n` 1 always, tools without a tool_choice and
+    generation_kwargs passed through as given; OpenAIResponsesChatGenerator sends the call
+    back without a `status` and its output as a list of input_text parts, after the
+    reasoning item it got (content as reasoning_text parts)."""
+    srv.engine.script = "Hello"
+    body = {"messages": [{"role": "user", "content": "Hi"}], "model": "tiny",
+            "frequency_penalty": 0, "logit_bias": {}, "max_completion_tokens": 10, "n": 1,
+            "presence_penalty": 0, "seed": 1, "stop": ["x"], "stream": False,
+            "temperature": 0.2, "top_p": 0.9}  # fmt: skip
+    status, r = _post(srv, "/v1/chat/completions", body)
+    assert status == 200 and r["choices"][0]["message"]["content"] == "Hello", r
+    params = srv.engine.params[r["id"] + "-0"]
+    assert (params.max_tokens, params.seed, params.stop) == (10, 1, ["x"])
+    first = {"input": [{"role": "user", "content": [{"type": "input_text", "text": "Weather?"}]}],
+             "model": "tiny", "stream": False, "tools": [HS_TOOL]}  # fmt: skip
+    srv.engine.script = '<think>hmm</think><tool_call>\n{"name": "get_weather", "arguments": ' \
+        '{"city": "Oslo"}}\n</tool_call>'  # fmt: skip
+    status, r = _post(srv, "/v1/responses", first)
+    assert status == 200, r
+    reasoning, call = r["output"]
+    assert reasoning["content"] == [{"type": "reasoning_text", "text": "hmm"}]
+    follow = {**first, "input": [
+        *first["input"],
+        {"summary": [], "id": reasoning["id"], "type": "reasoning",
+         "content": reasoning["content"], "status": "completed"},
+        {"type": "function_call", "name": "get_weather", "arguments": call["arguments"],
+         "id": call["id"], "call_id": call["call_id"]},
+        {"type": "function_call_output", "call_id": call["call_id"],
+         "output": [{"type": "input_text", "text": "Sunny in Oslo"}]},
+    ]}  # fmt: skip
+    srv.engine.script = "It is sunny."
+    status, r = _post(srv, "/v1/responses", follow)
+    assert status == 200, r
+    assert r["output"][-1]["content"][0]["text"] == "It is sunny."
+    tool_turn = srv.app.tokenizer.messages[-1]
+    assert tool_turn == {"role": "tool", "content": "Sunny in Oslo",
+                         "tool_call_id": call["call_id"]}  # fmt: skip

@@ -15,7 +15,9 @@ so far, the last one with the re-serialized prefix of its arguments.
 `JsonRewriter` re-serializes JSON text incrementally, token by token: brackets, `", "` and
 `": "` separators, a string's characters as soon as no escape is pending (a high surrogate
 waits for its low half), a number or literal once it ends. Every split of a text gives pieces
-that join to the same text: json.dumps(json.loads(text)) for a document without duplicate keys.
+that join to the same text: json.dumps(json.loads(text)) for a document without duplicate keys
+(a call's second "parameters" key is left out; an invalid escape, never under a forced
+grammar, is kept as written, alone, its string's other escapes decoded).
 """
 
 from __future__ import annotations
@@ -32,8 +34,14 @@ _WHITESPACE = " \t\n\r"
 _SPACES = re.compile(r"[ \t\n\r]*")
 _SCALAR = re.compile(r'[^ \t\n\r{}\[\]:,"]+')  # a number or literal's characters
 _STRING_STOP = re.compile(r'["\\]')  # what can end a string's plain run
-# the longest prefix of a string's raw content made of whole characters and escapes
-_COMPLETE = re.compile(r"[^\\]*(?:\\(?:[^u]|u[0-9a-fA-F]{4})[^\\]*)*")
+# the longest prefix of a string's raw content made of whole characters and escapes (an
+# invalid "\u" escape is whole once a character that is no hex digit follows it: raw text
+# after it never waits on it)
+_COMPLETE = re.compile(
+    r"[^\\]*(?:\\(?:[^u]|u[0-9a-fA-F]{4}|u[0-9a-fA-F]{0,3}(?=[^0-9a-fA-F]))[^\\]*)*"
+)
+# an escape: group 1 set when it is valid JSON (the rest is written as it stands)
+_ESCAPE = re.compile(r'\\(?:(["\\/bfnrt]|u[0-9a-fA-F]{4})|.|\Z)', re.DOTALL)
 _HIGH_SURROGATE_TAIL = re.compile(r"(?<!\\)(?:\\\\)*\\u[dD][89abAB][0-9a-fA-F]{2}$")
 
 
@@ -151,10 +159,7 @@ class JsonRewriter:
             self.raw = [raw]
             return
         piece, self.raw = raw[:end], [raw[end:]]
-        try:
-            chars = json.loads(f'"{piece}"', strict=False)
-        except ValueError:
-            chars = piece  # an invalid escape: as written
+        chars = _decode(piece)
         if self.decoded is not None:
             self.decoded.append(chars)
         self._emit(json.dumps(chars, ensure_ascii=False)[1:-1])
@@ -184,12 +189,28 @@ class JsonRewriter:
         """A string value ended (its characters when at depth <= 2)."""
 
 
+def _decode(raw: str) -> str:
+    """A string's raw content decoded; an invalid escape (never under a forced grammar) stays
+    as written, alone, so that how the text was split never changes the result."""
+    if "\\" not in raw:  # (raw control characters are allowed: strict=False)
+        return raw
+    out: list[str] = []
+    pos = 0
+    for m in _ESCAPE.finditer(raw):
+        if m.group(1) is None:
+            out += [json.loads(f'"{raw[pos : m.start()]}"', strict=False), m.group()]
+            pos = m.end()
+    out.append(json.loads(f'"{raw[pos:]}"', strict=False))
+    return "".join(out)
+
+
 @dataclass(slots=True)
 class _Call:
     name: str | None = None
     args: list[str] = field(default_factory=list)  # the re-serialized arguments' pieces
     sent: int = 0  # pieces already streamed
     index: int = -1  # in the stream, once announced
+    params: int = 0  # "parameters" keys read: the first one's value is the arguments
 
 
 class _CallList(JsonRewriter):
@@ -213,8 +234,16 @@ class _CallList(JsonRewriter):
         if not self._in_call():
             return
         call = self.stack[1]  # inside its "parameters" value: a token of the value
-        if call.key == "parameters" and (len(self.stack) > 2 or call.phase == "value"):
+        inside = call.key == "parameters" and (len(self.stack) > 2 or call.phase == "value")
+        if inside and self.calls[-1].params == 1:  # (a second "parameters" key is left out)
             self.calls[-1].args.append(piece)
+
+    def _end_string(self) -> None:
+        super()._end_string()
+        if self._in_call() and len(self.stack) == 2:
+            call = self.stack[1]
+            if call.phase == "colon" and call.key == "parameters":
+                self.calls[-1].params += 1
 
     def _string_value(self, chars: str | None) -> None:
         named = self._in_call() and len(self.stack) == 2 and self.stack[1].key == "name"

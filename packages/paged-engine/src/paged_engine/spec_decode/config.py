@@ -53,6 +53,9 @@ _KNOWN = {
     "suffix_decoding_min_token_prob",
 }
 _DRAFT_SAMPLE_METHODS = ("probabilistic", "greedy")
+# suffix decoding's deepest pattern (vLLM sets no bound; 24 by default): past it, the drafts a
+# row may run (the depth by default) and the proposer's per-depth arrays only cost memory
+MAX_SUFFIX_TREE_DEPTH = 1024
 METHODS = (
     "ngram",
     "suffix",
@@ -235,6 +238,12 @@ def _suffix_options(value: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(v, int) or isinstance(v, bool) or v < low:
             raise ValueError(f"speculative_config.{name} must be an int >= {low}, got {v!r}")
         out[name] = v
+    depth = out["suffix_decoding_max_tree_depth"]
+    if depth > MAX_SUFFIX_TREE_DEPTH:  # the proposer's arrays and the drafts per row grow with it
+        raise ValueError(
+            f"speculative_config.suffix_decoding_max_tree_depth must be <= "
+            f"{MAX_SUFFIX_TREE_DEPTH}, got {depth}"
+        )
     for key, high in (("max_spec_factor", math.inf), ("min_token_prob", 1.0)):
         name = f"suffix_decoding_{key}"
         v = value.get(name, SpeculativeConfig.__dataclass_fields__[name].default)
@@ -243,6 +252,10 @@ def _suffix_options(value: dict[str, Any]) -> dict[str, Any]:
             bound = ">= 0" if high == math.inf else "in [0, 1]"
             raise ValueError(f"speculative_config.{name} must be a number {bound}, got {v!r}")
         out[name] = float(v)
+    # a factor past the depth drafts as the depth allows (a draft and its match fit in it);
+    # held at the depth, factor x match length stays finite (1e308 x 2 would not)
+    factor = "suffix_decoding_max_spec_factor"
+    out[factor] = min(out[factor], float(depth))
     return out
 
 

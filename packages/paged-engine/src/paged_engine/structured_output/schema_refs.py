@@ -15,7 +15,8 @@ anything else (types, objects, arrays, consts, `true` / `false`) starts one. The
 point of that rule leaves exactly the schemas stuck in such loops; one reachable from the root
 (through properties, items and the like, following `$ref`s) is reported with its loop.
 `$ref`s this module cannot resolve (other documents, `$dynamicRef`) count as starting a value:
-llguidance judges those itself.
+llguidance judges those itself; so does a subschema with its own `$id` (its `$ref`s mean other
+things), with what lies inside it, while the loop check goes on everywhere else.
 """
 
 from __future__ import annotations
@@ -37,50 +38,63 @@ _INNER = (
 )
 _INNER_LISTS = ("prefixItems", "items")
 _ALTERNATIVES = ("anyOf", "oneOf")  # the value matches one member of each
+_SHOWN = 8  # the pointers of a loop `ref_cycle` names, at most (the rest: "... (n more)")
+_POINTER_CHARS = 200  # a longer pointer is named by its end ("…" and its last characters)
 
 
 def ref_cycle(schema: Any) -> list[str] | None:
     """The JSON pointers of one `$ref` / `allOf` / `anyOf` / `oneOf` loop that no value can
-    leave, reachable from the root of `schema`, first repeated last; None if there is none."""
+    leave, reachable from the root of `schema`, first repeated last; None if there is none.
+    A loop of more than _SHOWN schemas is named by its first and last ones around a
+    "... (n more)" entry."""
     if not isinstance(schema, dict):
         return None
-    nodes: dict[int, str] = {}  # id(subschema) -> its pointer (the first path that reached it)
+    # id(subschema) -> (its parent's id or None, the pointer's last part or a $ref's whole
+    # pointer) along the first path that reached it: pointers are joined only for the loop
+    # reported (a pointer per node would be quadratic in the depth times the keys' length)
+    nodes: dict[int, tuple[int | None, str]] = {}
     order: list[dict] = []
     groups: dict[int, list[list[dict]]] = {}  # each group: one member must start a value
     anchors: dict[str, dict] = {}  # "$anchor" -> its subschema, found once on first use
-    todo = deque([(schema, "#")])
+    todo: deque[tuple[Any, int | None, str]] = deque([(schema, None, "#")])
     while todo:
-        node, ptr = todo.popleft()
+        node, parent, part = todo.popleft()
         if not isinstance(node, dict) or id(node) in nodes:
             continue
-        if ptr != "#" and "$id" in node:  # a new base URI: relative $refs mean other things
-            return None
-        nodes[id(node)] = ptr
+        here = id(node)
+        nodes[here] = (parent, part)
         order.append(node)
+        if node is not schema and "$id" in node:  # its own base URI: its $refs mean other
+            groups[here] = []  # things (llguidance judges them); it counts as starting a value
+            continue
         own: list[list[dict]] = []
         ref = node.get("$ref")
         if isinstance(ref, str):
             target = _resolve(schema, ref, anchors)
             if isinstance(target, dict):
                 own.append([target])
-                todo.append((target, _canonical(ref)))
+                todo.append((target, None, _canonical(ref)))
         for key in ("allOf", *_ALTERNATIVES):
             members = node.get(key)
             if not isinstance(members, list):
                 continue
-            subs = [(m, f"{ptr}/{key}/{i}") for i, m in enumerate(members) if isinstance(m, dict)]
+            subs = [(m, here, f"{key}/{i}") for i, m in enumerate(members) if isinstance(m, dict)]
             todo.extend(subs)
             if key == "allOf":
-                own.extend([m] for m, _ in subs)
+                own.extend([m] for m, _, _ in subs)
             elif subs and len(subs) == len(members):  # a `true`/`false` member starts a value
-                own.append([m for m, _ in subs])
+                own.append([m for m, _, _ in subs])
         for key, sub in _inner(node):
-            todo.append((sub, f"{ptr}/{key}"))
-        groups[id(node)] = own
+            todo.append((sub, here, key))
+        groups[here] = own
     starts = _starting(order, groups)
     for node in order:
         if id(node) not in starts:
-            return _loop(node, groups, starts, nodes)
+            loop = _loop(node, groups, starts)
+            if len(loop) <= _SHOWN:
+                return [_pointer(id(n), nodes) for n in loop]
+            shown = [_pointer(id(n), nodes) for n in loop[: _SHOWN - 2]]
+            return [*shown, f"... ({len(loop) - _SHOWN + 1} more)", shown[0]]
     return None
 
 
@@ -126,9 +140,7 @@ def _starting(order: list[dict], groups: dict[int, list[list[dict]]]) -> set[int
     return starts
 
 
-def _loop(
-    node: dict, groups: dict[int, list[list[dict]]], starts: set[int], nodes: dict[int, str]
-) -> list[str]:
+def _loop(node: dict, groups: dict[int, list[list[dict]]], starts: set[int]) -> list[dict]:
     """Follow, from a schema that cannot start a value, a group with no member that can: it
     comes back to a schema on the way (all of them are finite and stuck)."""
     path: list[dict] = []
@@ -138,8 +150,19 @@ def _loop(
         path.append(node)
         stuck = next(g for g in groups[id(node)] if not any(id(m) in starts for m in g))
         node = stuck[0]
-    loop = path[seen[id(node)] :] + [node]
-    return [nodes[id(n)] for n in loop]
+    return path[seen[id(node)] :] + [node]
+
+
+def _pointer(i: int | None, nodes: dict[int, tuple[int | None, str]]) -> str:
+    """The pointer of node id `i`, joined from its parents; its end when it is long."""
+    parts: list[str] = []
+    size = 0
+    while i is not None and size <= _POINTER_CHARS:
+        i, part = nodes[i]
+        parts.append(part)
+        size += len(part) + 1
+    text = "/".join(reversed(parts))
+    return text if i is None and len(text) <= _POINTER_CHARS else "…" + text[-_POINTER_CHARS:]
 
 
 def _resolve(root: dict, ref: str, anchors: dict[str, dict]) -> Any:
@@ -161,11 +184,19 @@ def _resolve(root: dict, ref: str, anchors: dict[str, dict]) -> Any:
         part = part.replace("~1", "/").replace("~0", "~")
         if isinstance(node, dict) and part in node:
             node = node[part]
-        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
+        elif isinstance(node, list) and 0 <= _index(part) < len(node):
+            node = node[_index(part)]
         else:
             return None
+        if isinstance(node, dict) and "$id" in node:  # inside another base URI's schema
+            return None
     return node
+
+
+def _index(part: str) -> int:
+    """A pointer part as an array index; -1 unless ASCII digits (int() takes "²" no more than
+    it takes 5000 digits)."""
+    return int(part) if part.isascii() and part.isdigit() and len(part) < 19 else -1
 
 
 def _anchors(root: dict) -> dict[str, dict]:
@@ -173,7 +204,7 @@ def _anchors(root: dict) -> dict[str, dict]:
     todo: list[Any] = [root]
     while todo:
         node = todo.pop()
-        if isinstance(node, dict):
+        if isinstance(node, dict) and (node is root or "$id" not in node):  # (the root's own)
             name = node.get("$anchor")
             if isinstance(name, str):
                 found.setdefault(name, node)

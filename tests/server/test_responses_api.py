@@ -15,6 +15,7 @@ import pytest
 from fake_engine import ScriptedEngine
 from server_proc import HEADERS, ServerProc, serve_in_process, typed_events
 
+from paged_server.errors import APIError
 from paged_server.responses_api import ResponseStore, StoredResponse
 
 openai = pytest.importorskip("openai")
@@ -136,6 +137,61 @@ def test_input_items_become_the_chat_messages(srv: SimpleNamespace) -> None:
     r = _create(srv, "ok", input=items)
     want = (("system", "Rules."), ("user", "a"), ("assistant", "b"), ("user", "c\nd"))
     assert r["usage"]["input_tokens"] == _prompt_len(*want)
+
+
+def test_reasoning_items_sent_back_reach_the_template() -> None:
+    """A reasoning item (what /v1/responses returns, sent back by agent loops: the Agents SDK,
+    Haystack) is the `reasoning_content` of the assistant turn it opens: its message or its
+    function calls join it, so a template that keeps the current turn's thinking (Qwen3's)
+    renders it as the chat path would; the same through previous_response_id. vLLM reads the
+    item's content text too. Encrypted reasoning (never returned here) is a 400."""
+    from paged_server.responses_api import _context_items
+    from paged_server.responses_request import parse_responses
+
+    def reasoning(text: str) -> dict:
+        return {"type": "reasoning", "id": "rs_1", "summary": [],
+                "content": [{"type": "reasoning_text", "text": text}]}  # fmt: skip
+
+    call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
+    items = [
+        {"role": "user", "content": "a"},
+        reasoning("plan a"),
+        {"role": "assistant", "content": "A."},
+        {"role": "user", "content": "b"},
+        reasoning("plan b"),
+        call,
+        {"type": "function_call_output", "call_id": "c1", "output": "42"},
+        {"type": "reasoning", "summary": [{"type": "summary_text", "text": "sum"}]},
+    ]
+    chat = parse_responses({"input": items}, "hermes", ResponseStore()).chat
+    got = [(m["role"], m.get("content"), m.get("reasoning_content")) for m in chat.messages]
+    assert got == [
+        ("user", "a", None),
+        ("assistant", "A.", "plan a"),
+        ("user", "b", None),
+        ("assistant", "", "plan b"),  # (parse_chat: no content is "")
+        ("tool", "42", None),
+        ("assistant", "", "sum"),  # the summary's text where there is no content
+    ]
+    assert chat.messages[3]["tool_calls"][0]["id"] == "c1"
+    # previous_response_id: the stored output's reasoning comes back with its turn
+    store = ResponseStore()
+    output = [reasoning("think"), {"type": "function_call", **call, "id": "fc_1"}]
+    context = [{"type": "message", "role": "user", "content": "q"}, *_context_items(output)]
+    store.put(StoredResponse({"id": "resp_1", "status": "completed"}, context))
+    body = {"previous_response_id": "resp_1", "input": [call | {"type": "function_call_output",
+            "output": "1"}]}  # fmt: skip
+    body["input"][0].pop("name"), body["input"][0].pop("arguments")
+    chat = parse_responses(body, "hermes", store).chat
+    assert [(m["role"], m.get("reasoning_content")) for m in chat.messages] == [
+        ("user", None), ("assistant", "think"), ("tool", None)
+    ]  # fmt: skip
+    secret = {
+        "input": [{"role": "user", "content": "x"}, {**reasoning(""), "encrypted_content": "e"}]
+    }
+    with pytest.raises(APIError) as e:
+        parse_responses(secret, None, ResponseStore())
+    assert e.value.status == 400 and e.value.param == "input[1].encrypted_content"
 
 
 # ---- errors -------------------------------------------------------------------------------

@@ -106,10 +106,13 @@ class ResponseStore:
 
 
 def _context_items(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Output items as the next turn's input items (normalized; reasoning dropped)."""
+    """Output items as the next turn's input items (normalized)."""
     items = []
     for it in output:
-        if it["type"] == "message":
+        if it["type"] == "reasoning":
+            text = "".join(part["text"] for part in it["content"])
+            items.append({"type": "reasoning", "text": text})
+        elif it["type"] == "message":
             text = "".join(part["text"] for part in it["content"])
             items.append({"type": "message", "role": "assistant", "content": text})
         elif it["type"] == "function_call":
@@ -431,6 +434,8 @@ def _listed_items(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
             item = {"id": _new_id("msg"), "type": "message", "role": it["role"], "content": content}
         elif it["type"] == "function_call":
             item = {"id": _new_id("fc"), **it}
+        elif it["type"] == "reasoning":
+            item = _reasoning_item(_new_id("rs"), it["text"] or None, "completed")
         else:
             item = {"id": _new_id("fco"), **it}
         listed.append({**item, "status": "completed"})

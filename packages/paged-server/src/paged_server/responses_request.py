@@ -4,10 +4,13 @@
     -> a chat-completions body -> parse_chat (messages, tools, tool_choice, structured outputs
     and sampling checked there)
 
-Input items (normalized to `message` / `function_call` / `function_call_output` dicts; a past
-turn's `reasoning` items are dropped, as chat templates drop past thinking) become chat
-messages: a `function_call` joins the assistant message before it as one of its `tool_calls`,
-a `function_call_output` is a `tool` message; a user message's `input_image` parts become chat
+Input items (normalized to `message` / `function_call` / `function_call_output` / `reasoning`
+dicts) become chat messages: a `reasoning` item opens an assistant message as its
+`reasoning_content` (its content's text, else its summary's; vLLM's reading too), which the
+assistant message or `function_call`s after it join, so the template sees the turn as the
+model wrote it (Qwen3's keeps the current turn's thinking, drops older turns'); a
+`function_call` joins the assistant message before it as one of its `tool_calls`, a
+`function_call_output` is a `tool` message; a user message's `input_image` parts become chat
 `image_url` parts. Errors name the Responses field (`max_output_tokens`, `text.format`,
 `input[2].content`, `input[0].content[1].image_url`), never the chat one.
 """
@@ -220,13 +223,37 @@ def _input_items(value: Any, images: bool = False) -> list[dict[str, Any]]:
             output = _text(f"{p}.output", item.get("output"), ("input_text",))
             call_id = _string(item, "call_id", p)
             items.append({"type": "function_call_output", "call_id": call_id, "output": output})
-        elif kind != "reasoning":  # a past turn's reasoning: chat templates drop it
+        elif kind == "reasoning":
+            items.append({"type": "reasoning", "text": _reasoning_text(item, p)})
+        else:
             raise bad_request(
                 f"{p}: input items of type {kind!r} are not supported (message, function_call, "
                 "function_call_output, reasoning)",
                 p,
             )
     return items
+
+
+def _reasoning_text(item: dict[str, Any], p: str) -> str:
+    """A reasoning item's text: its content's `reasoning_text` parts, else its summary's
+    parts; encrypted reasoning (which this server never returns) is a 400."""
+    if item.get("encrypted_content"):
+        raise bad_request(
+            f"{p}.encrypted_content: encrypted reasoning is not supported (this server returns "
+            "reasoning as plain content)",
+            f"{p}.encrypted_content",
+        )
+    for key in ("content", "summary"):
+        parts = item.get(key)
+        if parts is None:
+            continue
+        if not isinstance(parts, list) or not all(
+            isinstance(x, dict) and isinstance(x.get("text"), str) for x in parts
+        ):
+            raise bad_request(f"{p}.{key} must be a list of text parts", f"{p}.{key}")
+        if parts:
+            return "".join(x["text"] for x in parts)
+    return ""
 
 
 def _messages(
@@ -239,11 +266,23 @@ def _messages(
     if instructions is not None:
         messages.append({"role": "system", "content": instructions})
     for it in items:
-        joins = it["type"] == "function_call" and bool(messages)
-        joins = joins and messages[-1]["role"] == "assistant"
+        last = messages[-1] if messages else {}
+        # a reasoning item's message waits for the answer it reasoned toward
+        thought = (
+            "reasoning_content" in last and last["content"] is None and "tool_calls" not in last
+        )
+        answer = it["type"] == "message" and it["role"] == "assistant" and thought
+        joins = answer or (it["type"] == "function_call" and last.get("role") == "assistant")
         starts.append(len(messages) - 1 if joins else len(messages))
-        if it["type"] == "message":
+        if answer:
+            last["content"] = _chat_content(it["content"])
+        elif it["type"] == "message":
             messages.append({"role": it["role"], "content": _chat_content(it["content"])})
+        elif it["type"] == "reasoning":
+            if it["text"]:  # (an empty one adds nothing)
+                messages.append(
+                    {"role": "assistant", "content": None, "reasoning_content": it["text"]}
+                )
         elif it["type"] == "function_call":
             fn = {"name": it["name"], "arguments": it["arguments"]}
             call = {"id": it["call_id"], "type": "function", "function": fn}

@@ -279,6 +279,16 @@ def test_cache_drafts_across_requests_and_evicts_oldest_first():
     assert len(off.cache) == 0 and off.propose(2, [9, 10, 11], 4) == []
 
 
+def test_ended_stretches_count_but_are_never_drafted():
+    """Many occurrences (counted in bulk): those a stretch ends after are in the denominator
+    only, even when they are the most frequent."""
+    p = _proposer()
+    for i in range(30):
+        p.finish([i], [[5, 6, 7] if i % 3 == 0 else [5, 6]])
+    assert p.propose(100, [1, 5, 6], 4) == [7]  # 10 of 30 went on with 7 (> 0.1); 20 ended
+    assert _proposer(min_token_prob=0.5).propose(100, [5, 6] * 20, 4) == [5, 6, 5, 6]
+
+
 def test_cache_memory_stays_bounded():
     """Many more finished requests than the cache keeps: the store, the index and each index
     entry stay within the bounds (max_cached_requests outputs, 2 x MAX_OCCURRENCES positions)."""
@@ -326,3 +336,116 @@ def test_config_keys_defaults_and_bounds(llama):
         SpeculativeConfig.from_dict({**SUFFIX, "model": "x"})
     with pytest.raises(ValueError, match=r"speculative_config\.suffix_decoding_max_tree_depth"):
         LLM(model=str(llama), speculative_config={**SUFFIX, "suffix_decoding_max_tree_depth": 0})
+
+
+def _reference_drafts(
+    tokens: list[int], cached: list[list[int]], room: int, depth: int, factor: float,
+    min_prob: float,
+) -> list[int]:  # fmt: skip
+    """Suffix decoding's documented semantics, brute force: for every match length m (of the
+    last <= depth tokens) the greedy path after the occurrences matching m tokens or more, for
+    at most min(room, floor(factor x m), depth - m) tokens; the highest probability sum wins
+    (the longer match on a tie), the sequence's own text (the latest MAX_OCCURRENCES occurrences
+    of its last token, its own included) before the cached outputs (each followed by END; the
+    latest MAX_OCCURRENCES occurrences of the last two tokens, so m >= 2 there)."""
+    if room <= 0 or not tokens:
+        return []
+    end = -1
+    n = min(len(tokens), depth)
+    pattern = tokens[-n:]
+
+    def match(text: list[int], e: int) -> int:  # how far text[..e] agrees with the pattern
+        k = 0
+        while k < n and e - k >= 0 and text[e - k] == pattern[-1 - k]:
+            k += 1
+        return k
+
+    def follow(text: list[int], cur: list[int], cap: int) -> tuple[float, list[int]]:
+        draft: list[int] = []
+        score, prob = 0.0, 1.0
+        while len(draft) < cap:
+            if len(cur) == 1:  # one occurrence left: the rest of its stretch, each token at prob
+                run = []
+                for t in text[cur[0] + 1 :]:
+                    if t == end or len(draft) + len(run) == cap:
+                        break
+                    run.append(t)
+                return score + prob * len(run), draft + run
+            nxt = [text[p + 1] if p + 1 < len(text) else end for p in cur]
+            counts = {t: nxt.count(t) for t in nxt if t != end}
+            if not counts:
+                break
+            token = min(counts, key=lambda t: (-counts[t], t))
+            prob *= counts[token] / len(cur)
+            if prob < min_prob:
+                break
+            draft.append(token)
+            score += prob
+            cur = [p + 1 for p, t in zip(cur, nxt) if t == token]
+        return score, draft
+
+    def best(text: list[int], occurrences: list[int], shortest: int) -> tuple[float, list[int]]:
+        lengths = {e: match(text, e) for e in occurrences}
+        result: tuple[float, list[int]] = (0.0, [])
+        for m in range(n, shortest - 1, -1):
+            group = [e for e in occurrences if lengths[e] >= m]
+            if group:
+                cap = min(room, int(m * factor + 1e-6), depth - m)
+                score, draft = follow(text, group, cap)
+                if score > result[0]:
+                    result = (score, draft)
+        return result
+
+    own = [e for e, t in enumerate(tokens) if t == pattern[-1]][-MAX_OCCURRENCES:]
+    score, draft = best(tokens, own, 1)
+    store = [t for out in cached for t in [*out, end]]
+    if n >= 2:
+        pair = [e for e in range(1, len(store)) if store[e - 1 : e + 1] == pattern[-2:]]
+        other, other_draft = best(store, pair[-MAX_OCCURRENCES:], 2)
+        if other > score:
+            return other_draft
+    return draft
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_drafts_equal_a_brute_force_reference(seed):
+    """Random token streams with repeats (appended, sometimes cut back), random rooms and
+    options, finished requests cached (or no cache): every step's drafts equal the reference."""
+    rng = random.Random(seed)
+    depth = rng.choice([1, 2, 3, 5, 24])
+    max_cached = rng.choice([0, 1, 3, 50])
+    factor, min_prob = rng.choice([0.0, 0.5, 1.0, 3.0]), rng.choice([0.0, 0.1, 0.4, 1.0])
+    p = _proposer(max_tree_depth=depth, max_cached_requests=max_cached, max_spec_factor=factor,
+                  min_token_prob=min_prob)  # fmt: skip
+    vocab = rng.choice([2, 3, 6, 40])
+    cached: list[list[int]] = []  # the reference's cache: outputs of the kept requests
+    kept: list[int] = []  # how many outputs each kept request has
+    seqs: dict[int, list[int]] = {}
+    for _ in range(250):
+        if seqs and rng.random() < 0.06:  # a request finishes: its non-empty outputs cached
+            seq_id = rng.choice(list(seqs))
+            tokens = seqs.pop(seq_id)
+            outputs = [tokens[rng.randrange(len(tokens) + 1) :], [rng.randrange(vocab)] * 2]
+            p.finish([seq_id], outputs)
+            outputs = [o for o in outputs if o]
+            if max_cached and outputs:
+                cached += outputs
+                kept.append(len(outputs))
+                if len(kept) > max_cached:
+                    del cached[: kept.pop(0)]
+            continue
+        seq_id = rng.randrange(4)
+        if seq_id not in seqs:  # some prompts long: more occurrences than MAX_OCCURRENCES
+            seqs[seq_id] = [rng.randrange(vocab) for _ in range(rng.choice([0, 10, 700]))]
+        tokens = seqs[seq_id]
+        for _ in range(rng.randint(1, 3)):
+            if tokens and rng.random() < 0.4:  # repeat an earlier stretch
+                at = rng.randrange(len(tokens))
+                tokens += tokens[at : at + rng.randint(1, 20)]
+            else:
+                tokens.append(rng.randrange(vocab))
+        if len(tokens) > 1 and rng.random() < 0.05:  # cut back (then rebuilt), not appended
+            del tokens[rng.randrange(1, len(tokens)) :]
+        room = rng.choice([0, 1, 2, 4, 16])
+        want = _reference_drafts(tokens, cached, room, depth, factor, min_prob)
+        assert p.propose(seq_id, list(tokens), room) == want

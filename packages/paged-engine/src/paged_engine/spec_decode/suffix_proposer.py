@@ -24,15 +24,19 @@ is an int32 array in which -1 ends every stretch, and occurrences are found ther
   pair are read), so it matches two tokens or more and a lookup costs the same at any cache
   size.
 
-From the occurrences, each one's match length (how far it agrees with the pattern backwards,
-one gather) splits them into nested groups; a group's greedy path is computed once. Memory:
-the sequence's own tokens while it runs; the cache holds at most max_cached_requests outputs.
+The occurrences' match lengths (how far each agrees with the pattern backwards) split them
+into nested groups, and a group's greedy path is computed once. At these sizes (tens to hundreds
+of occurrences) a numpy call's fixed cost outweighs its work, so numpy handles only the many:
+it narrows the occurrences one pattern token at a time and counts next tokens while more than
+`_FEW` are left; the few are compared and counted in Python. Memory: the sequence's own tokens
+while it runs; the cache holds at most max_cached_requests outputs.
 """
 
 from __future__ import annotations
 
+from array import array
 from bisect import bisect_left
-from collections import Counter, deque
+from collections import deque
 
 import numpy as np
 
@@ -40,6 +44,8 @@ from paged_engine.spec_decode.ngram_proposer import END as _END
 from paged_engine.spec_decode.ngram_proposer import TokenBuffer
 
 MAX_OCCURRENCES = 256  # latest occurrences of a last token (own text) or token pair (cache)
+_FEW = 16  # up to this many occurrences are compared and counted in Python, more in numpy
+_NO_TOKEN = -2  # in no text: ends every match
 
 
 class OutputCache:
@@ -53,8 +59,8 @@ class OutputCache:
         self._end = 0  # absolute end of what was written
         self._spans: deque[tuple[int, int]] = deque()  # (start, end) per cached request
         # token pair -> its positions, ascending; trimmed to the latest MAX_OCCURRENCES when
-        # twice as long (lists: a deque per pair would cost ~600 bytes even when it holds one)
-        self._index: dict[int, list[int]] = {}
+        # twice as long (int64 arrays: 8 bytes a position, read by numpy without a conversion)
+        self._index: dict[int, array[int]] = {}
 
     def __len__(self) -> int:
         return len(self._spans)
@@ -84,7 +90,7 @@ class OutputCache:
         for p, key in zip((pos + start).tolist(), keys.tolist(), strict=True):
             latest = index.get(key)
             if latest is None:
-                index[key] = [p]
+                index[key] = array("q", (p,))
                 continue
             latest.append(p)
             if len(latest) > 2 * MAX_OCCURRENCES:
@@ -120,20 +126,25 @@ class OutputCache:
             else:
                 del latest[:cut]
 
-    def occurrences(self, rev: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-        """(store, positions in it) of the latest occurrences of the pattern's last two tokens
-        (`rev`: the pattern reversed); None without any."""
-        if len(rev) < 2:
-            return None
-        latest = self._index.get((int(rev[1]) << 32) | int(rev[0]))
+    def occurrences(self, before: int, last: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """(store, positions in it) of the latest occurrences of the token pair (before, last);
+        None without any."""
+        latest = self._index.get((before << 32) | last)
         if not latest:
             return None
-        ends = np.array(latest[-MAX_OCCURRENCES:], dtype=np.int64) - self._base
+        ends = np.frombuffer(latest[-MAX_OCCURRENCES:], dtype=np.int64) - self._base
         return self._store, ends
 
 
-def _by_count(item: tuple[int, int]) -> tuple[int, int]:
-    return item[1], -item[0]  # the most frequent, the smaller id on a tie
+def _most_frequent(values: np.ndarray) -> tuple[int, int]:
+    """The most frequent value of `values` other than END (the smaller on a tie) and its count;
+    (END, 0) if there is none."""
+    s = np.sort(values)
+    counts = np.bincount(s.searchsorted(s))  # counts[i]: how many equal s[i], at each run's start
+    if s[0] == _END:  # END sorts first
+        counts[0] = 0
+    k = int(counts.argmax())  # the first largest: the smaller value
+    return int(s[k]), int(counts[k])
 
 
 def _pairs(tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -155,7 +166,6 @@ class SuffixProposer:
         self.min_token_prob = min_token_prob
         self.cache = OutputCache(max_cached_requests)
         self._texts: dict[int, TokenBuffer] = {}  # seq id -> its tokens
-        self._back = np.arange(max_tree_depth, dtype=np.int64)
         self._caps: dict[int, list[int]] = {}  # row room -> drafts allowed per match length
 
     def propose(self, seq_id: int, tokens: list[int], max_tokens: int) -> list[int]:
@@ -167,89 +177,124 @@ class SuffixProposer:
             text = self._texts[seq_id] = TokenBuffer()
         buf = text.sync(tokens)
         num = text.num
-        rev = buf[max(0, num - self.depth) : num][::-1]  # rev[0]: the last token
-        ends = np.flatnonzero(buf[:num] == rev[0])[-MAX_OCCURRENCES:]
-        score, best = self._best(buf, ends, rev, max_tokens, 0, shortest=1)
-        found = self.cache.occurrences(rev)
-        if found is not None:  # matches of two tokens or more (a token pair's index)
-            other, other_best = self._best(*found, rev, max_tokens, score, shortest=2)
-            if other > score:
-                best = other_best
+        n = min(num, self.depth)
+        # the pattern reversed (pattern[0]: the last token), then a value no text holds
+        pattern = tokens[-1 : -n - 1 : -1] + [_NO_TOKEN]
+        caps = self._caps.get(max_tokens)
+        if caps is None:  # drafts allowed after a match of m: caps[m]
+            caps = self._caps[max_tokens] = [
+                min(max_tokens, int(m * self.max_spec_factor + 1e-6), self.depth - m)
+                for m in range(self.depth + 1)
+            ]
+        ends = (buf[:num] == pattern[0]).nonzero()[0][-MAX_OCCURRENCES:]
+        score, best = self._best(buf, ends, pattern, caps, 0.0, shortest=1, whole=num - 1)
+        # cache drafts match two tokens or more, and each scores at most its cap
+        if n >= 2 and score < max(caps[2 : n + 1]):
+            found = self.cache.occurrences(pattern[1], pattern[0])
+            if found is not None:
+                other, other_best = self._best(*found, pattern, caps, score, shortest=2)
+                if other > score:
+                    best = other_best
         return best
 
     def _best(
-        self, text: np.ndarray, ends: np.ndarray, rev: np.ndarray, limit: int, floor: float,
-        shortest: int,
+        self, text: np.ndarray, ends: np.ndarray, pattern: list[int], caps: list[int],
+        floor: float, shortest: int, whole: int | None = None,
     ) -> tuple[float, list[int]]:  # fmt: skip
         """The best draft (score, tokens) from the occurrences `ends` (all of them matching at
-        least `shortest` tokens) of the pattern `rev` in `text` whose score beats `floor`;
-        (floor, []) if none does."""
-        n = len(rev)
-        match = np.full(len(ends), shortest, dtype=np.int64)  # [E]: each one's match length
-        if n > shortest:  # those agreeing on one more token are compared further (one gather)
-            more = (text[np.maximum(ends - shortest, 0)] == rev[shortest]) & (ends >= shortest)
-            longer, j = ends[more], shortest + 1
-            if len(longer) and n > j:
-                back = longer[:, None] - self._back[j:n]  # positions of rev[j:] if they agree
-                agree = (text[np.maximum(back, 0)] == rev[j:]) & (back >= 0)
-                match[more] = j + np.where(agree.all(axis=1), n - j, agree.argmin(axis=1))
-            else:
-                match[more] = j
-        caps = self._caps.get(limit)
-        if caps is None:  # drafts allowed after a match of m: caps[m]
-            caps = self._caps[limit] = [
-                min(limit, int(m * self.max_spec_factor + 1e-6), self.depth - m)
-                for m in range(self.depth + 1)
-            ]
-        lengths = np.flatnonzero(np.bincount(match, minlength=n + 1))[::-1].tolist()
+        least `shortest` tokens; the one at `whole`, if any, all of them) of `pattern` (reversed,
+        then `_NO_TOKEN`) in `text` whose score beats `floor`; (floor, []) if none does. Every
+        token in `text` is followed by a token or END."""
+        n = len(pattern) - 1
+        read = memoryview(text)  # its tokens as Python ints, for the few compared one by one
+        # match lengths: while the occurrences are many, numpy narrows them one pattern token at
+        # a time (cand[0] >= m: no read before text[0]); the few left are compared one by one.
+        # A group: the occurrences matching at least `length` tokens (groups nest)
+        groups: list[tuple[int, np.ndarray | list[int]]] = []  # (length, group), shortest first
+        cand, m = ends, shortest  # cand: those matching at least m
+        while len(cand) > _FEW and cand[0] >= m:
+            more = cand[text[cand - m] == pattern[m]]  # pattern[n] is in no text
+            if len(more) < len(cand):
+                groups.append((m, cand))
+            cand, m = more, m + 1
+        found = []  # (match length, position) of the few left
+        for e in cand.tolist():
+            k = n if e == whole else m
+            while k <= e and read[e - k] == pattern[k]:
+                k += 1
+            found.append((k, e))
+        found.sort()
+        for i, (k, _) in enumerate(found):
+            if i == 0 or found[i - 1][0] != k:
+                groups.append((k, [e for _, e in found[i:]]))
         best_score, best = floor, []
-        for i, length in enumerate(lengths):  # longest first: their occurrences nest
-            lower = lengths[i + 1] if i + 1 < len(lengths) else shortest - 1
+        for i in range(len(groups) - 1, -1, -1):  # longest first: on a tie the longer wins
+            length, group = groups[i]
+            lower = groups[i - 1][0] if i else shortest - 1
             # every m in (lower, length] keeps the same occurrences: the largest cap serves
             cap = max(caps[lower + 1 : length + 1])
             if cap <= best_score:  # each token scores <= 1
                 continue
-            score, draft = self._follow(text, ends[match >= length], cap)
+            if isinstance(group, np.ndarray):
+                score, draft = self._follow_many(text, read, group, cap)
+            elif group != [whole]:  # (after the pattern itself alone, the text ends)
+                score, draft = self._follow(read, group, cap, 0.0, 1.0, [])
+            else:
+                continue
             if score > best_score:
                 best_score, best = score, draft
         return best_score, best
 
-    def _follow(self, text: np.ndarray, cur: np.ndarray, cap: int) -> tuple[float, list[int]]:
-        """The greedy path after the occurrences `cur` (positions of their last matched token):
-        each step the most frequent next token (the smaller id on a tie), at probability
-        prod(count(next) / count)."""
+    def _follow_many(
+        self, text: np.ndarray, read: memoryview, cur: np.ndarray, cap: int
+    ) -> tuple[float, list[int]]:
+        """`_follow` from the occurrences `cur` (an array), counted in numpy while many."""
         draft: list[int] = []
         score, prob = 0.0, 1.0
-        while len(draft) < cap:
-            num = len(cur)
-            if num == 1:  # one path: its tokens up to the stretch's end, prob unchanged
-                run = text[cur[0] + 1 : cur[0] + 1 + cap - len(draft)]
-                stop = np.flatnonzero(run == _END)
-                run = run[: stop[0]] if len(stop) else run
-                draft += run.tolist()
-                score += prob * len(run)
-                break
+        while len(cur) > _FEW and len(draft) < cap:
             nxt = text[cur + 1]
-            if num <= 64:  # counted in Python: cheaper than numpy on a few
-                counts = Counter(nxt.tolist())
-                counts.pop(_END, None)  # occurrences that end here count, but lead nowhere
-                if not counts:
-                    break
-                token, count = max(counts.items(), key=_by_count)
-            else:
-                values, counts_np = np.unique(nxt, return_counts=True)
-                if values[0] == _END:
-                    values, counts_np = values[1:], counts_np[1:]
-                if not len(values):
-                    break
-                j = int(counts_np.argmax())
-                token, count = int(values[j]), int(counts_np[j])
-            prob *= count / num
+            token, count = _most_frequent(nxt)
+            prob *= count / len(cur)
+            if not count or prob < self.min_token_prob:
+                return score, draft
+            draft.append(token)
+            score += prob
+            if len(draft) == cap:
+                return score, draft
+            cur = cur[nxt == token] + 1
+        return self._follow(read, cur.tolist(), cap, score, prob, draft)
+
+    def _follow(
+        self, read: memoryview, cur: list[int], cap: int, score: float, prob: float,
+        draft: list[int],
+    ) -> tuple[float, list[int]]:  # fmt: skip
+        """Extends the greedy path `draft` (its score and probability so far) to at most `cap`
+        tokens after the occurrences `cur` (positions of their last matched token in the text
+        `read`): each step the most frequent next token (the smaller id on a tie), at
+        probability prod(count(next) / count)."""
+        while len(draft) < cap:
+            if len(cur) == 1:  # one path: its tokens up to the stretch's end, prob unchanged
+                at = cur[0] + 1
+                run = read[at : at + cap - len(draft)].tolist()
+                if _END in run:
+                    run = run[: run.index(_END)]
+                return score + prob * len(run), draft + run
+            nxt = [read[p + 1] for p in cur]
+            counts: dict[int, int] = {}
+            token, count = _END, 0  # the most frequent so far, the smaller id on a tie
+            for t in nxt:
+                if t != _END:  # occurrences that end here count, but lead nowhere
+                    c = counts[t] = counts.get(t, 0) + 1
+                    if c > count or (c == count and t < token):
+                        token, count = t, c
+            if not count:
+                break
+            prob *= count / len(cur)
             if prob < self.min_token_prob:
                 break
             draft.append(token)
             score += prob
-            cur = cur[nxt == token] + 1
+            cur = [p + 1 for p, t in zip(cur, nxt, strict=True) if t == token]
         return score, draft
 
     def finish(self, seq_ids: list[int], outputs: list[list[int]]) -> None:

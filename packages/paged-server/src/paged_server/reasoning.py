@@ -53,6 +53,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from paged_engine.engine.detokenizer import stop_holdback
 from paged_server.harmony import HarmonySplitter
 
 
@@ -185,7 +186,7 @@ class ThinkSplitter:
             markers = self._markers()
             hits = [(i, m) for m in markers if (i := buf.find(m)) >= 0]
             if not hits:
-                keep = _tag_prefix_len(buf, markers)
+                keep = stop_holdback(buf, markers)
                 out.append(buf[: len(buf) - keep])
                 self.pending = buf[len(buf) - keep :]
                 break
@@ -206,17 +207,6 @@ class ThinkSplitter:
         rest, self.pending = self.prefix + self.pending, ""
         self.prefix = ""
         return (rest, "") if self.state == _THINKING else ("", rest)
-
-
-def _tag_prefix_len(text: str, tags: tuple[str, ...]) -> int:
-    """Length of the longest tail of `text` that is a proper prefix of one of `tags`."""
-    best = 0
-    for tag in tags:
-        for k in range(min(len(tag) - 1, len(text)), best, -1):
-            if text.endswith(tag[:k]):
-                best = k
-                break
-    return best
 
 
 def make_splitter(parser: str, tool_markup: bool = False) -> ThinkSplitter | HarmonySplitter:

@@ -32,6 +32,7 @@ import ast
 import json
 from typing import Any
 
+from paged_engine.engine.detokenizer import stop_holdback
 from paged_server.tool_parsers.base import ParsedCall
 from paged_server.tool_parsers.framed import plain_name
 from paged_server.tool_parsers.interleaved import Block, InterleavedToolParser
@@ -63,14 +64,6 @@ def glm_value(text: str, schema: Any) -> Any:
         if _is_json(value):
             return json.loads(json.dumps(value))  # a literal's tuples as lists
     return word
-
-
-def _partial_tag_len(text: str, tag: str) -> int:
-    """Length of the longest tail of `text` that is a proper prefix of `tag`."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
-    return 0
 
 
 def _field(key: str, value: Any) -> str:
@@ -143,7 +136,7 @@ class Glm45ToolParser(InterleavedToolParser):
                 if value_end < 0:  # still arriving: a string's text so far streams
                     if isinstance(kind, dict) and kind.get("type") == "string":
                         raw = text[value:]
-                        raw = raw[: len(raw) - _partial_tag_len(raw, _VALUE_CLOSE)]
+                        raw = raw[: len(raw) - stop_holdback(raw, (_VALUE_CLOSE,))]
                         call.args = "{" + ", ".join([*fields, _field(name_key, raw)[:-1]])
                     return calls
                 fields.append(_field(name_key, glm_value(text[value:value_end], kind)))

@@ -21,8 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from paged_engine.engine.detokenizer import stop_holdback
 from paged_server.tool_parsers.base import ParsedCall, ToolParser
-from paged_server.tool_parsers.streaming import StreamingToolText, partial_marker_len
+from paged_server.tool_parsers.streaming import StreamingToolText
 
 
 @dataclass(slots=True)
@@ -63,7 +64,7 @@ class InterleavedToolParser(ToolParser):
         tail = text[pos:]
         if final:
             return content + self.gap_content(tail), calls
-        tail = tail[: len(tail) - partial_marker_len(tail, self.start_markers)]
+        tail = tail[: len(tail) - stop_holdback(tail, self.start_markers)]
         return content + self.gap_settled(tail), calls
 
     def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:

@@ -27,6 +27,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from paged_engine.engine.detokenizer import stop_holdback
 from paged_server.tool_parsers.base import ParsedCall, ToolParser, parse_or_content
 
 _RESCAN_ALWAYS = 2048  # characters: a text this short is rescanned on every piece
@@ -149,17 +150,6 @@ class ToolCallDeltas:
         return out
 
 
-def partial_marker_len(text: str, markers: tuple[str, ...]) -> int:
-    """Length of the longest tail of `text` that is a proper prefix of one of `markers`."""
-    best = 0
-    for m in markers:
-        for k in range(min(len(m) - 1, len(text)), best, -1):
-            if text.endswith(m[:k]):
-                best = k
-                break
-    return best
-
-
 class StreamingToolText:
     """Feeds streamed text through a parser: content while no tool call may have started, then
     the calls piece by piece (`ToolCallDeltas` entries), and the rest when the output ends."""
@@ -207,7 +197,7 @@ class StreamingToolText:
 
     def _partial_marker_len(self) -> int:
         """Length of the longest unsent text tail that is a proper prefix of a start marker."""
-        return partial_marker_len(self.text[self.sent :], self.parser.start_markers)
+        return stop_holdback(self.text[self.sent :], self.parser.start_markers)
 
     def finish(self) -> tuple[str, list[dict[str, Any]], list[ParsedCall]]:
         """(content not streamed yet, the calls' remaining entries, the calls) once the output

@@ -16,6 +16,7 @@ from collections import Counter
 
 import pytest
 from hf_reference import assert_same_tokens_and_scores
+from spec_checks import run_engine, spec_prompts, tokens_and_logprobs
 
 from paged_engine import LLM, BeamSearchParams, SamplingParams
 from paged_engine.spec_decode.ngram_proposer import propose_ngram
@@ -31,46 +32,19 @@ def _spec(k: int) -> dict:
     return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4}
 
 
-def _prompts(seed: int = 0) -> list[dict]:
-    rng = random.Random(seed)
-    repetitive = [{"prompt_token_ids": [5, 6, 7, 8, 9] * 6}, {"prompt_token_ids": [40, 41] * 9}]
-    others = [
-        {"prompt_token_ids": [rng.randrange(3, 400) for _ in range(rng.randint(1, 40))]}
-        for _ in range(5)
-    ]
-    return repetitive + others
-
-
-def _run(path, prompts, params, **kwargs):
-    kwargs.setdefault("max_model_len", 256)
-    llm = LLM(model=str(path), dtype="float32", block_size=8, **kwargs)
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    stats = llm.llm_engine.get_stats()
-    assert stats.num_used_blocks == 0
-    return outs, stats
-
-
-def _tokens_and_logprobs(outs):
-    return [
-        (list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs or [])])
-        for o in outs
-        for c in o.outputs
-    ]
-
-
 @pytest.fixture(scope="module", params=SUPPORTED_TINY_ARCHS)
 def arch_model(request, tmp_path_factory):
     path = write_tiny_model(tmp_path_factory.mktemp(request.param), request.param, seed=1)
     params = SamplingParams(temperature=0, max_tokens=40, logprobs=2, ignore_eos=True)
-    plain, _ = _run(path, _prompts(), params)
-    return path, params, _tokens_and_logprobs(plain)
+    plain, _ = run_engine(path, spec_prompts(), params)
+    return path, params, tokens_and_logprobs(plain)
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_greedy_is_token_identical_with_drafts_accepted(arch_model, k):
     path, params, want = arch_model
-    outs, stats = _run(path, _prompts(), params, speculative_config=_spec(k))
-    got = _tokens_and_logprobs(outs)
+    outs, stats = run_engine(path, spec_prompts(), params, speculative_config=_spec(k))
+    got = tokens_and_logprobs(outs)
     assert [t for t, _ in got] == [t for t, _ in want]
     for (_, g), (_, w) in zip(got, want):
         assert g == pytest.approx(w, abs=1e-4)
@@ -116,15 +90,15 @@ def test_sampling_distribution_matches_plain_decoding(llama):
     rejected): the first three tokens' marginals match plain sampling."""
     num = 1500
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    (seed_out,), _ = _run(llama, [{"prompt_token_ids": [5, 6, 7, 8]}], greedy)
+    (seed_out,), _ = run_engine(llama, [{"prompt_token_ids": [5, 6, 7, 8]}], greedy)
     text = [5, 6, 7, 8, *seed_out.outputs[0].token_ids]
     prompt = {"prompt_token_ids": text + text[:16]}
     params = [
         SamplingParams(temperature=0.5, seed=s, max_tokens=5, ignore_eos=True) for s in range(num)
     ]
-    plain, _ = _run(llama, [prompt] * num, params)
+    plain, _ = run_engine(llama, [prompt] * num, params)
     config = {**_spec(3), "prompt_lookup_min": 1}
-    spec, stats = _run(llama, [prompt] * num, params, speculative_config=config)
+    spec, stats = run_engine(llama, [prompt] * num, params, speculative_config=config)
     assert stats.spec_decode_num_drafts > num // 10
     accepted, drafted = stats.spec_decode_num_accepted_tokens, stats.spec_decode_num_draft_tokens
     assert 0 < accepted < drafted
@@ -138,7 +112,7 @@ def test_sampling_distribution_matches_plain_decoding(llama):
 def test_preemption_limits_and_stops_under_speculation(llama):
     """A pool too small for the batch (preemption mid-speculation), stop tokens that land
     inside accepted drafts, max_tokens never exceeded: the plain engine's outputs."""
-    prompts = _prompts(3) * 2
+    prompts = spec_prompts(3) * 2
     rng = random.Random(5)
     params = [
         SamplingParams(
@@ -150,10 +124,10 @@ def test_preemption_limits_and_stops_under_speculation(llama):
         for i in range(len(prompts))
     ]
     kwargs = {"num_gpu_blocks_override": 16, "max_num_seqs": 8, "max_model_len": 96}
-    plain, _ = _run(llama, prompts, params, **kwargs)
-    spec, stats = _run(llama, prompts, params, speculative_config=_spec(5), **kwargs)
+    plain, _ = run_engine(llama, prompts, params, **kwargs)
+    spec, stats = run_engine(llama, prompts, params, speculative_config=_spec(5), **kwargs)
     assert stats.num_preemptions > 0
-    got, want = _tokens_and_logprobs(spec), _tokens_and_logprobs(plain)
+    got, want = tokens_and_logprobs(spec), tokens_and_logprobs(plain)
     assert [t for t, _ in got] == [t for t, _ in want]
     for (_, g), (_, w) in zip(got, want):
         assert g == pytest.approx(w, abs=1e-4)
@@ -172,7 +146,7 @@ def _assert_logprobs_recomputed(path, outs) -> None:
             prompts.append({"prompt_token_ids": list(o.prompt_token_ids) + list(c.token_ids)})
             recorded.append([lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
-    again, _ = _run(path, prompts, params)
+    again, _ = run_engine(path, prompts, params)
     for r, got in zip(again, recorded):
         ids, plp = r.prompt_token_ids, r.prompt_logprobs
         start = len(ids) - len(got)
@@ -186,15 +160,15 @@ def test_n_greater_than_one_greedy_every_sequence_speculates(llama):
     tokens and logprobs."""
     one = SamplingParams(temperature=0, max_tokens=30, logprobs=1, ignore_eos=True)
     three = SamplingParams(temperature=0, n=3, max_tokens=30, logprobs=1, ignore_eos=True)
-    plain, _ = _run(llama, _prompts(), one)
-    _, single = _run(llama, _prompts(), one, speculative_config=_spec(3))
-    spec, stats = _run(llama, _prompts(), three, speculative_config=_spec(3))
+    plain, _ = run_engine(llama, spec_prompts(), one)
+    _, single = run_engine(llama, spec_prompts(), one, speculative_config=_spec(3))
+    spec, stats = run_engine(llama, spec_prompts(), three, speculative_config=_spec(3))
     assert stats.spec_decode_num_drafts == 3 * single.spec_decode_num_drafts > 0
     assert stats.spec_decode_num_accepted_tokens == 3 * single.spec_decode_num_accepted_tokens > 0
-    want = _tokens_and_logprobs(plain)
+    want = tokens_and_logprobs(plain)
     for o, (tokens, lps) in zip(spec, want):
         assert len(o.outputs) == 3
-        for got_tokens, got_lps in _tokens_and_logprobs([o]):
+        for got_tokens, got_lps in tokens_and_logprobs([o]):
             assert got_tokens == tokens
             assert got_lps == pytest.approx(lps, abs=1e-4)
 
@@ -203,7 +177,7 @@ def _own_text_prompts(path, starts: list[list[int]]) -> list[dict]:
     """Each start and the model's greedy text after it: where that text falls into a loop,
     n-gram lookup predicts the continuation (long accepted runs)."""
     greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    outs, _ = _run(path, [{"prompt_token_ids": s} for s in starts], greedy)
+    outs, _ = run_engine(path, [{"prompt_token_ids": s} for s in starts], greedy)
     return [{"prompt_token_ids": s + list(o.outputs[0].token_ids)} for s, o in zip(starts, outs)]
 
 
@@ -231,7 +205,7 @@ def test_n_greater_than_one_through_preemption(llama, mode):
     config = {**_spec(4), "prompt_lookup_min": 1}
     kwargs = {"num_gpu_blocks_override": 24, "max_num_seqs": 12, "max_model_len": 96}
     kwargs |= {"preemption_mode": mode, "swap_space": 0.05}
-    spec, stats = _run(llama, prompts, params, speculative_config=config, **kwargs)
+    spec, stats = run_engine(llama, prompts, params, speculative_config=config, **kwargs)
     assert stats.num_preemptions > 0
     assert (stats.num_swap_preemptions > 0) == (mode == "swap")
     assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
@@ -239,7 +213,7 @@ def test_n_greater_than_one_through_preemption(llama, mode):
         SamplingParams(temperature=0, max_tokens=params[i].max_tokens, ignore_eos=True)
         for i in greedy
     ]
-    plain, _ = _run(llama, [prompts[i] for i in greedy], one)
+    plain, _ = run_engine(llama, [prompts[i] for i in greedy], one)
     for i, ref in zip(greedy, plain):
         assert [list(c.token_ids) for c in spec[i].outputs] == [list(ref.outputs[0].token_ids)] * 2
     rows = [spec[i] for i in sampled]
@@ -251,9 +225,9 @@ def test_n_greater_than_one_through_preemption(llama, mode):
 
 def test_tensor_parallel_speculation_matches(llama):
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    plain, _ = _run(llama, _prompts(), params)
-    spec, stats = _run(
-        llama, _prompts(), params, speculative_config=_spec(3), tensor_parallel_size=2
+    plain, _ = run_engine(llama, spec_prompts(), params)
+    spec, stats = run_engine(
+        llama, spec_prompts(), params, speculative_config=_spec(3), tensor_parallel_size=2
     )
     assert stats.spec_decode_num_accepted_tokens > 0
     assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
@@ -261,13 +235,13 @@ def test_tensor_parallel_speculation_matches(llama):
 
 def test_beam_search_runs_without_drafts_beside_speculating_requests(llama):
     """Beams (either spelling) in the same steps as drafted rows: the plain engine's beams."""
-    repetitive = _prompts()[:2]
+    repetitive = spec_prompts()[:2]
     beam = SamplingParams(n=3, use_beam_search=True, max_tokens=12, temperature=0)
     greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     prompts = [*repetitive, *repetitive, {"prompt_token_ids": [11, 12, 13]}]
     params = [beam, BeamSearchParams(beam_width=2, max_tokens=10), greedy, greedy, beam]
-    plain, _ = _run(llama, prompts, params)
-    spec, stats = _run(llama, prompts, params, speculative_config=_spec(3))
+    plain, _ = run_engine(llama, prompts, params)
+    spec, stats = run_engine(llama, prompts, params, speculative_config=_spec(3))
     assert stats.spec_decode_num_drafts > 0
     assert_same_tokens_and_scores(plain, spec)
 
@@ -369,7 +343,7 @@ def test_stop_strings_inside_accepted_drafts(llama):
     """A stop string that ends inside a step's emitted tokens: the same text and finish as
     plain decoding (the output stage cuts the text; the core frees the sequence)."""
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    plain, _ = _run(llama, _prompts(), params)
+    plain, _ = run_engine(llama, spec_prompts(), params)
     stops = []
     for i, o in enumerate(plain):  # every other request stops 3/4 of the way in
         text, at = o.outputs[0].text, 3 * len(o.outputs[0].text) // 4
@@ -377,8 +351,8 @@ def test_stop_strings_inside_accepted_drafts(llama):
     with_stops = [
         SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=s) for s in stops
     ]
-    want, _ = _run(llama, _prompts(), with_stops)
-    got, stats = _run(llama, _prompts(), with_stops, speculative_config=_spec(5))
+    want, _ = run_engine(llama, spec_prompts(), with_stops)
+    got, stats = run_engine(llama, spec_prompts(), with_stops, speculative_config=_spec(5))
     assert stats.spec_decode_num_accepted_tokens > 0
     assert [(o.outputs[0].text, o.outputs[0].finish_reason) for o in got] == [
         (o.outputs[0].text, o.outputs[0].finish_reason) for o in want
@@ -399,11 +373,11 @@ def test_constrained_rows_run_beside_speculating_ones(llama):
         logprobs=1,
         structured_outputs=StructuredOutputsParams(regex=r"[a-z]{3}-[0-9]{2}"),
     )
-    prompts = _prompts()
+    prompts = spec_prompts()
     params = [regex if i % 2 else free for i in range(len(prompts))]
-    plain, _ = _run(llama, prompts, params)
-    spec, stats = _run(llama, prompts, params, speculative_config=_spec(3))
-    got, want = _tokens_and_logprobs(spec), _tokens_and_logprobs(plain)
+    plain, _ = run_engine(llama, prompts, params)
+    spec, stats = run_engine(llama, prompts, params, speculative_config=_spec(3))
+    got, want = tokens_and_logprobs(spec), tokens_and_logprobs(plain)
     assert [t for t, _ in got] == [t for t, _ in want]
     for (_, g), (_, w) in zip(got, want):
         assert g == pytest.approx(w, abs=1e-4)
@@ -416,7 +390,7 @@ def test_constrained_rows_run_beside_speculating_ones(llama):
 def test_draft_count_by_batch_size(llama):
     """num_speculative_tokens_per_batch_size (vLLM's): rows draft up to 3 while 1-2 requests
     run and not at all from 3 on; "ngram_gpu" is vLLM's GPU n-gram proposer's name."""
-    prompts = _prompts()[:4]
+    prompts = spec_prompts()[:4]
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     config = {
         **_spec(3),
@@ -424,9 +398,9 @@ def test_draft_count_by_batch_size(llama):
         "prompt_lookup_min": 1,
         "num_speculative_tokens_per_batch_size": [[1, 2, 3], [3, 64, 0]],
     }
-    plain, _ = _run(llama, prompts, params)
-    few, few_stats = _run(llama, prompts[:2], params, speculative_config=config)
-    many, many_stats = _run(llama, prompts, params, speculative_config=config)
+    plain, _ = run_engine(llama, prompts, params)
+    few, few_stats = run_engine(llama, prompts[:2], params, speculative_config=config)
+    many, many_stats = run_engine(llama, prompts, params, speculative_config=config)
     assert few_stats.spec_decode_num_drafts > 0
     assert many_stats.spec_decode_num_drafts == 0  # four requests run throughout
     assert [o.outputs[0].token_ids for o in many] == [o.outputs[0].token_ids for o in plain]

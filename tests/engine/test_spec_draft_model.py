@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 from hf_reference import assert_same_tokens_and_scores
+from spec_checks import run_engine, spec_prompts, tokens_and_logprobs
 
 from paged_engine import LLM, BeamSearchParams, SamplingParams
 from paged_engine.spec_decode.rejection_sampler import verify
@@ -28,16 +29,6 @@ pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file
 
 pytestmark = pytest.mark.usefixtures("no_isolated_step_failures")  # conftest.py
-
-
-def _prompts(seed: int = 0) -> list[dict]:
-    rng = random.Random(seed)
-    repetitive = [{"prompt_token_ids": [5, 6, 7, 8, 9] * 6}, {"prompt_token_ids": [40, 41] * 9}]
-    others = [
-        {"prompt_token_ids": [rng.randrange(3, 400) for _ in range(rng.randint(1, 40))]}
-        for _ in range(5)
-    ]
-    return repetitive + others
 
 
 def _chi_square_same(a: Counter, b: Counter) -> tuple[float, float]:
@@ -98,23 +89,6 @@ def small_draft(target: Path, dest: Path, arch: str) -> Path:
     return dest
 
 
-def _run(path, prompts, params, **kwargs):
-    kwargs.setdefault("max_model_len", 256)
-    llm = LLM(model=str(path), dtype="float32", block_size=8, **kwargs)
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    stats = llm.llm_engine.get_stats()
-    assert stats.num_used_blocks == 0  # every block (both caches' blocks) back in the pool
-    return outs, stats
-
-
-def _tokens_and_logprobs(outs):
-    return [
-        (list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs or [])])
-        for o in outs
-        for c in o.outputs
-    ]
-
-
 def _assert_same(got, want):
     assert [t for t, _ in got] == [t for t, _ in want]
     for (_, g), (_, w) in zip(got, want):
@@ -129,15 +103,15 @@ def arch_models(request, tmp_path_factory):
     noisy = noisy_copy(target, root / "noisy", scale=0.05)
     small = small_draft(target, root / "small", arch)
     params = SamplingParams(temperature=0, max_tokens=24, logprobs=2, ignore_eos=True)
-    plain, _ = _run(target, _prompts(), params)
-    return target, noisy, small, params, _tokens_and_logprobs(plain)
+    plain, _ = run_engine(target, spec_prompts(), params)
+    return target, noisy, small, params, tokens_and_logprobs(plain)
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_greedy_is_token_identical_with_a_close_draft(arch_models, k):
     target, noisy, _, params, want = arch_models
-    outs, stats = _run(target, _prompts(), params, speculative_config=_spec(noisy, k))
-    _assert_same(_tokens_and_logprobs(outs), want)
+    outs, stats = run_engine(target, spec_prompts(), params, speculative_config=_spec(noisy, k))
+    _assert_same(tokens_and_logprobs(outs), want)
     accepted, drafted = stats.spec_decode_num_accepted_tokens, stats.spec_decode_num_draft_tokens
     assert drafted // 4 < accepted <= drafted
     if k == 5:
@@ -148,8 +122,8 @@ def test_greedy_with_the_target_as_its_own_draft(arch_models):
     """Every draft accepted: each step leaves the last draft for the draft model to run first
     next step (its lag token); a wrong draft cache would show as a rejection."""
     target, _, _, params, want = arch_models
-    outs, stats = _run(target, _prompts(), params, speculative_config=_spec(target, 5))
-    _assert_same(_tokens_and_logprobs(outs), want)
+    outs, stats = run_engine(target, spec_prompts(), params, speculative_config=_spec(target, 5))
+    _assert_same(tokens_and_logprobs(outs), want)
     assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens > 0
 
 
@@ -159,9 +133,9 @@ def test_metrics_when_the_target_is_its_own_draft(llama):
     every position accepted once per proposal."""
     target, _ = llama
     params = SamplingParams(temperature=0, max_tokens=25, ignore_eos=True)
-    _, stats = _run(target, _prompts(), params, speculative_config=_spec(target, 3))
+    _, stats = run_engine(target, spec_prompts(), params, speculative_config=_spec(target, 3))
     drafts = stats.spec_decode_num_drafts
-    assert drafts == 6 * len(_prompts())
+    assert drafts == 6 * len(spec_prompts())
     assert stats.spec_decode_num_draft_tokens == stats.spec_decode_num_accepted_tokens == 3 * drafts
     assert stats.spec_decode_num_accepted_tokens_per_pos == [drafts] * 3
     assert stats.spec_decode_acceptance_rate == 1.0
@@ -170,8 +144,8 @@ def test_metrics_when_the_target_is_its_own_draft(llama):
 
 def test_greedy_is_token_identical_with_an_unrelated_draft(arch_models):
     target, _, small, params, want = arch_models
-    outs, stats = _run(target, _prompts(), params, speculative_config=_spec(small, 3))
-    _assert_same(_tokens_and_logprobs(outs), want)
+    outs, stats = run_engine(target, spec_prompts(), params, speculative_config=_spec(small, 3))
+    _assert_same(tokens_and_logprobs(outs), want)
     assert stats.spec_decode_num_draft_tokens > 0
 
 
@@ -217,13 +191,13 @@ def test_sampling_distribution_matches_plain_decoding(llama):
     params = [
         SamplingParams(temperature=0.8, seed=s, max_tokens=4, ignore_eos=True) for s in range(num)
     ]
-    plain, _ = _run(target, [prompt] * num, params)
-    spec, stats = _run(target, [prompt] * num, params, speculative_config=_spec(noisy, 3))
+    plain, _ = run_engine(target, [prompt] * num, params)
+    spec, stats = run_engine(target, [prompt] * num, params, speculative_config=_spec(noisy, 3))
     accepted, drafted = stats.spec_decode_num_accepted_tokens, stats.spec_decode_num_draft_tokens
     assert 0 < accepted < drafted
     assert_same_marginals(plain, spec, 4)
     # Seeded rows are reproducible under speculation too.
-    again, _ = _run(target, [prompt] * 8, params[:8], speculative_config=_spec(noisy, 3))
+    again, _ = run_engine(target, [prompt] * 8, params[:8], speculative_config=_spec(noisy, 3))
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in spec[:8]]
 
 
@@ -234,7 +208,9 @@ def test_preemption_chunked_prefill_mixed_batch_and_limits(llama):
     max_tokens: plain's outputs."""
     target, noisy = llama
     rng = random.Random(5)
-    prompts = _prompts(3) * 2 + [{"prompt_token_ids": [rng.randrange(3, 400) for _ in range(90)]}]
+    prompts = spec_prompts(3) * 2 + [
+        {"prompt_token_ids": [rng.randrange(3, 400) for _ in range(90)]}
+    ]
     params = [
         SamplingParams(
             temperature=0,
@@ -256,11 +232,11 @@ def test_preemption_chunked_prefill_mixed_batch_and_limits(llama):
         "max_num_batched_tokens": 32,
         "enable_chunked_prefill": True,
     }
-    plain, _ = _run(target, prompts, params, **kwargs)
-    spec, stats = _run(target, prompts, params, speculative_config=_spec(noisy, 4), **kwargs)
+    plain, _ = run_engine(target, prompts, params, **kwargs)
+    spec, stats = run_engine(target, prompts, params, speculative_config=_spec(noisy, 4), **kwargs)
     assert stats.num_preemptions > 0
     assert stats.spec_decode_num_accepted_tokens > 0
-    _assert_same(_tokens_and_logprobs(spec), _tokens_and_logprobs(plain))
+    _assert_same(tokens_and_logprobs(spec), tokens_and_logprobs(plain))
     for o, p, ref in zip(spec, params, plain):
         assert all(len(c.token_ids) <= p.max_tokens for c in o.outputs)
         assert [c.finish_reason for c in o.outputs] == [c.finish_reason for c in ref.outputs]
@@ -273,7 +249,7 @@ def test_n_greater_than_one_every_sequence_drafts(llama):
     plain greedy decoding's outputs; seeded temperature-0.8 n = 3 sequences diverge, and each of
     their tokens' logprobs is the target's on the sequence recomputed from scratch."""
     target, noisy = llama
-    prompts = _prompts(4)
+    prompts = spec_prompts(4)
     rng = random.Random(3)
     params = [
         SamplingParams(
@@ -287,17 +263,17 @@ def test_n_greater_than_one_every_sequence_drafts(llama):
         for i in range(len(prompts))
     ]
     kwargs = {"num_gpu_blocks_override": 24, "max_num_seqs": 12, "max_model_len": 96}
-    spec, stats = _run(target, prompts, params, speculative_config=_spec(noisy, 3), **kwargs)
+    spec, stats = run_engine(target, prompts, params, speculative_config=_spec(noisy, 3), **kwargs)
     assert stats.num_preemptions > 0
     assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
     one = [
         SamplingParams(temperature=0, max_tokens=p.max_tokens, logprobs=0, ignore_eos=True)
         for p in params[::2]
     ]
-    plain, _ = _run(target, prompts[::2], one)
+    plain, _ = run_engine(target, prompts[::2], one)
     for o, ref in zip(spec[::2], plain):
-        for got in _tokens_and_logprobs([o]):
-            _assert_same([got], _tokens_and_logprobs([ref]))
+        for got in tokens_and_logprobs([o]):
+            _assert_same([got], tokens_and_logprobs([ref]))
     sampled = spec[1::2]
     assert sum(len({tuple(c.token_ids) for c in o.outputs}) > 1 for o in sampled) >= 2
     recompute = [
@@ -305,8 +281,8 @@ def test_n_greater_than_one_every_sequence_drafts(llama):
         for o in sampled
         for c in o.outputs
     ]
-    again, _ = _run(target, recompute, SamplingParams(max_tokens=1, prompt_logprobs=0))
-    recorded = [lps for _, lps in _tokens_and_logprobs(sampled)]
+    again, _ = run_engine(target, recompute, SamplingParams(max_tokens=1, prompt_logprobs=0))
+    recorded = [lps for _, lps in tokens_and_logprobs(sampled)]
     for r, got in zip(again, recorded):
         ids, plp = r.prompt_token_ids, r.prompt_logprobs
         want = [plp[i][ids[i]].logprob for i in range(len(ids) - len(got), len(ids))]
@@ -333,12 +309,12 @@ def test_tensor_parallel_draft_model_matches(llama):
     rank samples the same drafts and verifies them alike; greedy tokens and sampled seeded
     tokens equal the single-process speculative engine's, with the same acceptance."""
     target, noisy = llama
-    prompts = _prompts()[:4]
+    prompts = spec_prompts()[:4]
     greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     sampled = SamplingParams(temperature=0.8, seed=3, max_tokens=16, ignore_eos=True)
     params = [greedy, sampled] * 2
-    one, one_stats = _run(target, prompts, params, speculative_config=_spec(noisy, 3))
-    two, two_stats = _run(
+    one, one_stats = run_engine(target, prompts, params, speculative_config=_spec(noisy, 3))
+    two, two_stats = run_engine(
         target, prompts, params, speculative_config=_spec(noisy, 3), tensor_parallel_size=2
     )
     assert [o.outputs[0].token_ids for o in two] == [o.outputs[0].token_ids for o in one]
@@ -355,8 +331,8 @@ def test_beam_search_runs_without_drafts_beside_drafted_requests(llama):
     greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     prompts = [*repetitive, *repetitive, {"prompt_token_ids": [11, 12, 13]}]
     params = [beam, BeamSearchParams(beam_width=2, max_tokens=10), greedy, greedy, beam]
-    plain, _ = _run(target, prompts, params)
-    spec, stats = _run(target, prompts, params, speculative_config=_spec(noisy, 2))
+    plain, _ = run_engine(target, prompts, params)
+    spec, stats = run_engine(target, prompts, params, speculative_config=_spec(noisy, 2))
     assert stats.spec_decode_num_drafts > 0
     assert_same_tokens_and_scores(plain, spec)
 
@@ -388,10 +364,10 @@ def test_vllm_speculative_config_keys(llama, tmp_path, monkeypatch):
         "rejection_sample_method": "standard",
     }
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    plain, _ = _run(target, _prompts()[:3], params)
-    got, stats = _run(
+    plain, _ = run_engine(target, spec_prompts()[:3], params)
+    got, stats = run_engine(
         target,
-        _prompts()[:3],
+        spec_prompts()[:3],
         params,
         speculative_config=spec,
         download_dir=str(tmp_path / "hub"),
@@ -417,7 +393,7 @@ def test_vllm_speculative_config_keys(llama, tmp_path, monkeypatch):
             speculative_config={**_spec(noisy, 2), "draft_tensor_parallel_size": 2},
         )
     with pytest.raises(ValueError, match=r"speculative_config.max_model_len=64 is below"):
-        _run(target, [], params, speculative_config={**_spec(noisy, 2), "max_model_len": 64})
+        run_engine(target, [], params, speculative_config={**_spec(noisy, 2), "max_model_len": 64})
 
 
 def test_greedy_draft_sampling_keeps_the_distribution(llama, monkeypatch):
@@ -442,12 +418,12 @@ def test_greedy_draft_sampling_keeps_the_distribution(llama, monkeypatch):
         SamplingParams(temperature=0.8, seed=s, max_tokens=4, ignore_eos=True) for s in range(num)
     ]
     spec = {**_spec(noisy, 3), "draft_sample_method": "greedy"}
-    plain, _ = _run(target, [prompt] * num, params)
-    got, stats = _run(target, [prompt] * num, params, speculative_config=spec)
+    plain, _ = run_engine(target, [prompt] * num, params)
+    got, stats = run_engine(target, [prompt] * num, params, speculative_config=spec)
     assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
     assert with_q and not any(with_q)
     assert_same_marginals(plain, got, 4)
     greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    want, _ = _run(target, _prompts(), greedy)
-    again, _ = _run(target, _prompts(), greedy, speculative_config=spec)
+    want, _ = run_engine(target, spec_prompts(), greedy)
+    again, _ = run_engine(target, spec_prompts(), greedy, speculative_config=spec)
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in want]

@@ -14,6 +14,7 @@ import random
 
 import numpy as np
 import pytest
+from spec_checks import run_engine, spec_prompts, tokens_and_logprobs
 
 from paged_engine import LLM, SamplingParams
 from paged_engine.spec_decode.config import SpeculativeConfig
@@ -27,35 +28,8 @@ pytest.importorskip("transformers")
 SUFFIX = {"method": "suffix"}
 
 
-def _prompts(seed: int = 0) -> list[dict]:
-    rng = random.Random(seed)
-    repetitive = [{"prompt_token_ids": [5, 6, 7, 8, 9] * 6}, {"prompt_token_ids": [40, 41] * 9}]
-    others = [
-        {"prompt_token_ids": [rng.randrange(3, 400) for _ in range(rng.randint(1, 40))]}
-        for _ in range(5)
-    ]
-    return repetitive + others
-
-
-def _run(path, prompts, params, **kwargs):
-    kwargs.setdefault("max_model_len", 256)
-    llm = LLM(model=str(path), dtype="float32", block_size=8, **kwargs)
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    stats = llm.llm_engine.get_stats()
-    assert stats.num_used_blocks == 0
-    return outs, stats
-
-
-def _tokens_and_logprobs(outs):
-    return [
-        (list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs or [])])
-        for o in outs
-        for c in o.outputs
-    ]
-
-
 def _assert_same(got, want) -> None:
-    got, want = _tokens_and_logprobs(got), _tokens_and_logprobs(want)
+    got, want = tokens_and_logprobs(got), tokens_and_logprobs(want)
     assert [t for t, _ in got] == [t for t, _ in want]
     for (_, g), (_, w) in zip(got, want):
         assert g == pytest.approx(w, abs=1e-4)
@@ -72,11 +46,13 @@ def test_greedy_is_token_identical_with_drafts_accepted(tmp_path, arch):
     logprobs, the n-gram engine's tokens, drafts of varying length accepted."""
     path = write_tiny_model(tmp_path, arch, seed=1)
     params = SamplingParams(temperature=0, max_tokens=40, logprobs=2, ignore_eos=True)
-    plain, _ = _run(path, _prompts(), params)
-    ngram, _ = _run(path, _prompts(), params, speculative_config={"num_speculative_tokens": 3})
+    plain, _ = run_engine(path, spec_prompts(), params)
+    ngram, _ = run_engine(
+        path, spec_prompts(), params, speculative_config={"num_speculative_tokens": 3}
+    )
     assert [o.outputs[0].token_ids for o in ngram] == [o.outputs[0].token_ids for o in plain]
     for config, k in ((SUFFIX, 24), ({**SUFFIX, "num_speculative_tokens": 3}, 3)):
-        spec, stats = _run(path, _prompts(), params, speculative_config=config)
+        spec, stats = run_engine(path, spec_prompts(), params, speculative_config=config)
         _assert_same(spec, plain)
         accepted = stats.spec_decode_num_accepted_tokens
         assert 0 < accepted <= stats.spec_decode_num_draft_tokens
@@ -92,7 +68,7 @@ def test_cache_of_finished_outputs_drafts_a_repeated_request(llama):
     rng = random.Random(3)
     prompt = {"prompt_token_ids": rng.sample(range(3, 500), 30)}
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-    (plain,), _ = _run(llama, [prompt], params)
+    (plain,), _ = run_engine(llama, [prompt], params)
 
     def accepted_twice(config: dict) -> tuple[int, int]:
         llm = LLM(model=str(llama), dtype="float32", block_size=8, max_model_len=256,
@@ -113,7 +89,7 @@ def test_cache_of_finished_outputs_drafts_a_repeated_request(llama):
 def test_preemption_limits_and_stops(llama):
     """A pool too small for the batch (preemption mid-speculation), stop tokens inside accepted
     drafts, max_tokens never exceeded: the plain engine's outputs."""
-    prompts = _prompts(3) * 2
+    prompts = spec_prompts(3) * 2
     rng = random.Random(5)
     params = [
         SamplingParams(
@@ -125,8 +101,8 @@ def test_preemption_limits_and_stops(llama):
         for i in range(len(prompts))
     ]
     kwargs = {"num_gpu_blocks_override": 16, "max_num_seqs": 8, "max_model_len": 96}
-    plain, _ = _run(llama, prompts, params, **kwargs)
-    spec, stats = _run(llama, prompts, params, speculative_config=SUFFIX, **kwargs)
+    plain, _ = run_engine(llama, prompts, params, **kwargs)
+    spec, stats = run_engine(llama, prompts, params, speculative_config=SUFFIX, **kwargs)
     assert stats.num_preemptions > 0 and stats.spec_decode_num_accepted_tokens > 0
     _assert_same(spec, plain)
     for o, p, ref in zip(spec, params, plain):
@@ -157,7 +133,7 @@ def test_prefix_caching_and_async_scheduling(llama):
 
 def _own_text_prompts(path, starts: list[list[int]]) -> list[dict]:
     greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    outs, _ = _run(path, [{"prompt_token_ids": s} for s in starts], greedy)
+    outs, _ = run_engine(path, [{"prompt_token_ids": s} for s in starts], greedy)
     return [{"prompt_token_ids": s + list(o.outputs[0].token_ids)} for s, o in zip(starts, outs)]
 
 
@@ -169,7 +145,9 @@ def _assert_logprobs_recomputed(path, outs) -> None:
         for c in o.outputs:
             prompts.append({"prompt_token_ids": list(o.prompt_token_ids) + list(c.token_ids)})
             recorded.append([lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
-    again, _ = _run(path, prompts, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
+    again, _ = run_engine(
+        path, prompts, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    )
     for r, got in zip(again, recorded):
         ids, plp = r.prompt_token_ids, r.prompt_logprobs
         start = len(ids) - len(got)
@@ -197,14 +175,14 @@ def test_n_greater_than_one_through_preemption(llama, mode):
             greedy.append(i)
     kwargs = {"num_gpu_blocks_override": 24, "max_num_seqs": 12, "max_model_len": 96}
     kwargs |= {"preemption_mode": mode, "swap_space": 0.05}
-    spec, stats = _run(llama, prompts, params, speculative_config=SUFFIX, **kwargs)
+    spec, stats = run_engine(llama, prompts, params, speculative_config=SUFFIX, **kwargs)
     assert stats.num_preemptions > 0
     assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
     one = [
         SamplingParams(temperature=0, max_tokens=params[i].max_tokens, ignore_eos=True)
         for i in greedy
     ]
-    plain, _ = _run(llama, [prompts[i] for i in greedy], one)
+    plain, _ = run_engine(llama, [prompts[i] for i in greedy], one)
     for i, ref in zip(greedy, plain):
         assert [list(c.token_ids) for c in spec[i].outputs] == [list(ref.outputs[0].token_ids)] * 2
     rows = [spec[i] for i in sampled]

@@ -427,3 +427,30 @@ def test_drafts_equal_a_brute_force_reference(seed):
         room = rng.choice([0, 1, 2, 4, 16])
         want = _reference_drafts(tokens, cached, room, depth, factor, min_prob)
         assert p.propose(seq_id, list(tokens), room) == want
+
+
+@pytest.mark.parametrize(
+    ("depth", "factor", "k", "most"),
+    [(24, 1.0, None, 12), (24, 2.0, None, 16), (24, 1.0, 5, 5), (8, 0.5, None, 2)],
+)
+def test_max_draft_tokens_is_the_longest_draft_the_settings_allow(depth, factor, k, most):
+    """Verification graphs and the memory profile are sized by max_draft_tokens: for suffix
+    decoding the longest draft its caps allow (vLLM's defaults: 12, not k = 24), reached on a
+    text that repeats, never passed."""
+    spec = {
+        **SUFFIX,
+        "suffix_decoding_max_tree_depth": depth,
+        "suffix_decoding_max_spec_factor": factor,
+    }
+    if k is not None:
+        spec["num_speculative_tokens"] = k
+    config = SpeculativeConfig.from_dict(spec)
+    assert config.max_draft_tokens == most
+    proposer = SuffixProposer(depth, 0, factor, 0.1)
+    tokens = list(range(3, 3 + 2 * depth)) * 4
+    longest = max(
+        len(proposer.propose(1, tokens[:n], config.num_speculative_tokens))
+        for n in range(2, len(tokens))
+    )
+    assert longest == most
+    assert SpeculativeConfig.from_dict({"num_speculative_tokens": 4}).max_draft_tokens == 4

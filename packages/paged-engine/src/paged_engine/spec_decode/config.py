@@ -113,6 +113,18 @@ class SpeculativeConfig:
         return self.num_speculative_tokens
 
     @property
+    def max_draft_tokens(self) -> int:
+        """The most drafts a row ever carries: num_speculative_tokens, or for suffix decoding
+        the longest its caps allow (a match of m tokens drafts at most floor(factor * m) and
+        depth - m: 12 at vLLM's defaults, against k = 24). Verification graphs and the memory
+        profile are sized by it."""
+        k = self.num_speculative_tokens
+        if not self.is_suffix:
+            return k
+        depth, factor = self.suffix_decoding_max_tree_depth, self.suffix_decoding_max_spec_factor
+        return min(k, max(min(int(m * factor + 1e-6), depth - m) for m in range(depth + 1)))
+
+    @property
     def uses_draft_model(self) -> bool:
         """A model proposes on the worker (a draft model, an EAGLE-3 head, an MTP layer)."""
         return self.method in (*_WITH_MODEL, "mtp")

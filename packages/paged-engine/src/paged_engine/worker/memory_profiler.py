@@ -152,7 +152,7 @@ def _num_speculative_tokens(runner: ModelRunner) -> int:
     from paged_engine.spec_decode.config import SpeculativeConfig
 
     spec = runner.config.speculative_config
-    return 0 if spec is None else SpeculativeConfig.from_dict(spec).num_speculative_tokens
+    return 0 if spec is None else SpeculativeConfig.from_dict(spec).max_draft_tokens
 
 
 def _profile_sampler(runner: ModelRunner, hidden: torch.Tensor) -> None:

@@ -200,7 +200,7 @@ class ModelRunner(StepExecution, InputPreparer, StepSampling):
         ):
             # Speculation adds graphs for verification steps: k + 1 query tokens in every row.
             spec = self.config.speculative_config
-            k = 0 if spec is None else SpeculativeConfig.from_dict(spec).num_speculative_tokens
+            k = 0 if spec is None else SpeculativeConfig.from_dict(spec).max_draft_tokens
             self.graphs = CudaGraphRunner(
                 self, self.config.max_num_seqs, verify_len=k + 1 if k else None
             )

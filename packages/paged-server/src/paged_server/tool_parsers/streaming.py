@@ -161,6 +161,7 @@ class StreamingToolText:
         self.holding = False  # a tool call may have started: no more content streams
         self.deltas = ToolCallDeltas()
         self.scanned = 0  # len(text) at the last partial_calls scan
+        self.blank = 0  # text[:blank] is whitespace (_no_content_yet)
 
     def _updates(self) -> list[dict[str, Any]]:
         """The calls' new entries, when a rescan is due (see the module docstring)."""
@@ -181,23 +182,44 @@ class StreamingToolText:
         self.text = text
         if self.holding:
             return "", self._updates()
-        starts = [self.text.find(m, self.sent) for m in self.parser.start_markers]
-        starts = [s for s in starts if s >= 0]
-        if starts:
+        # a marker not found before this delta can only start in its last `longest` - 1
+        # characters or in the delta (nothing is read twice: a long stream stays linear)
+        markers = self.parser.start_markers
+        longest = max(map(len, markers), default=1)
+        seen = max(self.sent, len(text) - len(delta) - longest + 1)
+        start = -1
+        for m in markers:  # (a loop: a comprehension over `text` would close over it, and a
+            # closed-over `text` is copied by `+=` above instead of grown in place)
+            i = text.find(m, seen)
+            if i >= 0 and (start < 0 or i < start):
+                start = i
+        if start >= 0:
             self.holding = True
-            end = min(starts)
-        else:
-            end = len(self.text) - self._partial_marker_len()
+            end = start
+        else:  # the tail that may begin a marker waits
+            end = len(text) - stop_holdback(
+                text[max(self.sent, len(text) - longest + 1) :], markers
+            )
         if self.parser.trim_before_calls:  # a trailing run of them may end the content
-            end = max(self.sent, len(self.text[:end].rstrip(self.parser.trim_before_calls)))
-        if self.parser.no_content(self.text[:end]):  # (what may still be no content waits)
+            kept = text[self.sent : end].rstrip(self.parser.trim_before_calls)
+            end = self.sent + len(kept)
+        if not self.sent and self._no_content_yet(end):  # (what may still be none waits)
             return "", self._updates() if self.holding else []
         out, self.sent = self.text[self.sent : end], max(self.sent, end)
         return out, self._updates() if self.holding else []
 
-    def _partial_marker_len(self) -> int:
-        """Length of the longest unsent text tail that is a proper prefix of a start marker."""
-        return stop_holdback(self.text[self.sent :], self.parser.start_markers)
+    def _no_content_yet(self, end: int) -> bool:
+        """parser.no_content(text[:end]) while nothing is sent (once content is sent, it never
+        is again: no_content's rule). Under the whitespace rule the blank start found so far is
+        not read again, so a stream of whitespace alone stays linear."""
+        if type(self.parser).no_content is not ToolParser.no_content or not (
+            self.parser.blank_is_no_content
+        ):
+            return self.parser.no_content(self.text[:end])
+        if self.text[self.blank : end].strip():
+            return False
+        self.blank = max(self.blank, end)
+        return True
 
     def finish(self) -> tuple[str, list[dict[str, Any]], list[ParsedCall]]:
         """(content not streamed yet, the calls' remaining entries, the calls) once the output

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import random
 
-from paged_engine import LLM
+import pytest
+
+from paged_engine import LLM, SamplingParams
 
 
 def spec_prompts(seed: int = 0) -> list[dict]:
@@ -38,3 +40,50 @@ def tokens_and_logprobs(outs) -> list[tuple[list[int], list[float]]]:
         for o in outs
         for c in o.outputs
     ]
+
+
+def assert_logprobs_recomputed(path, outs) -> None:
+    """Each emitted token's logprob (raw, under the target) equals its prompt logprob when the
+    sequence is run again from scratch as a prompt: nothing a step read came from another
+    sequence's KV or from a rejected draft."""
+    prompts, recorded = [], []
+    for o in outs:
+        for c in o.outputs:
+            prompts.append({"prompt_token_ids": list(o.prompt_token_ids) + list(c.token_ids)})
+            recorded.append([lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    again, _ = run_engine(path, prompts, params)
+    for r, got in zip(again, recorded):
+        ids, plp = r.prompt_token_ids, r.prompt_logprobs
+        start = len(ids) - len(got)
+        want = [plp[i][ids[i]].logprob for i in range(start, len(ids))]
+        assert got == pytest.approx(want, abs=1e-4)
+
+
+def assert_plain_through_preemption(path, speculative_config: dict):
+    """A pool too small for the batch (preemption mid-speculation), stop tokens that land
+    inside accepted drafts, max_tokens never exceeded: the plain engine's tokens, logprobs and
+    finish reasons. Returns the speculating run's stats."""
+    prompts = spec_prompts(3) * 2
+    rng = random.Random(5)
+    params = [
+        SamplingParams(
+            temperature=0,
+            max_tokens=rng.randint(5, 40),
+            stop_token_ids=[rng.randrange(3, 400)] if i % 3 == 0 else None,
+            logprobs=1,
+        )
+        for i in range(len(prompts))
+    ]
+    kwargs = {"num_gpu_blocks_override": 16, "max_num_seqs": 8, "max_model_len": 96}
+    plain, _ = run_engine(path, prompts, params, **kwargs)
+    spec, stats = run_engine(path, prompts, params, speculative_config=speculative_config, **kwargs)
+    assert stats.num_preemptions > 0
+    got, want = tokens_and_logprobs(spec), tokens_and_logprobs(plain)
+    assert [t for t, _ in got] == [t for t, _ in want]
+    for (_, g), (_, w) in zip(got, want):
+        assert g == pytest.approx(w, abs=1e-4)
+    for o, p, ref in zip(spec, params, plain):
+        assert len(o.outputs[0].token_ids) <= p.max_tokens
+        assert o.outputs[0].finish_reason == ref.outputs[0].finish_reason
+    return stats

@@ -16,7 +16,13 @@ from collections import Counter
 
 import pytest
 from hf_reference import assert_same_tokens_and_scores
-from spec_checks import run_engine, spec_prompts, tokens_and_logprobs
+from spec_checks import (
+    assert_logprobs_recomputed,
+    assert_plain_through_preemption,
+    run_engine,
+    spec_prompts,
+    tokens_and_logprobs,
+)
 
 from paged_engine import LLM, BeamSearchParams, SamplingParams
 from paged_engine.spec_decode.ngram_proposer import propose_ngram
@@ -110,48 +116,8 @@ def test_sampling_distribution_matches_plain_decoding(llama):
 
 
 def test_preemption_limits_and_stops_under_speculation(llama):
-    """A pool too small for the batch (preemption mid-speculation), stop tokens that land
-    inside accepted drafts, max_tokens never exceeded: the plain engine's outputs."""
-    prompts = spec_prompts(3) * 2
-    rng = random.Random(5)
-    params = [
-        SamplingParams(
-            temperature=0,
-            max_tokens=rng.randint(5, 40),
-            stop_token_ids=[rng.randrange(3, 400)] if i % 3 == 0 else None,
-            logprobs=1,
-        )
-        for i in range(len(prompts))
-    ]
-    kwargs = {"num_gpu_blocks_override": 16, "max_num_seqs": 8, "max_model_len": 96}
-    plain, _ = run_engine(llama, prompts, params, **kwargs)
-    spec, stats = run_engine(llama, prompts, params, speculative_config=_spec(5), **kwargs)
-    assert stats.num_preemptions > 0
-    got, want = tokens_and_logprobs(spec), tokens_and_logprobs(plain)
-    assert [t for t, _ in got] == [t for t, _ in want]
-    for (_, g), (_, w) in zip(got, want):
-        assert g == pytest.approx(w, abs=1e-4)
-    for o, p, ref in zip(spec, params, plain):
-        assert len(o.outputs[0].token_ids) <= p.max_tokens
-        assert o.outputs[0].finish_reason == ref.outputs[0].finish_reason
-
-
-def _assert_logprobs_recomputed(path, outs) -> None:
-    """Each emitted token's logprob (raw, under the target) equals its prompt logprob when the
-    sequence is run again from scratch as a prompt: nothing a step read came from another
-    sequence's KV or from a rejected draft."""
-    prompts, recorded = [], []
-    for o in outs:
-        for c in o.outputs:
-            prompts.append({"prompt_token_ids": list(o.prompt_token_ids) + list(c.token_ids)})
-            recorded.append([lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
-    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
-    again, _ = run_engine(path, prompts, params)
-    for r, got in zip(again, recorded):
-        ids, plp = r.prompt_token_ids, r.prompt_logprobs
-        start = len(ids) - len(got)
-        want = [plp[i][ids[i]].logprob for i in range(start, len(ids))]
-        assert got == pytest.approx(want, abs=1e-4)
+    """spec_checks' preemption / stop / max_tokens case under n-gram lookup."""
+    assert_plain_through_preemption(llama, _spec(5))
 
 
 def test_n_greater_than_one_greedy_every_sequence_speculates(llama):
@@ -220,7 +186,7 @@ def test_n_greater_than_one_through_preemption(llama, mode):
     for o, i in zip(rows, sampled):
         assert all(len(c.token_ids) == params[i].max_tokens for c in o.outputs)
     assert sum(len({tuple(c.token_ids) for c in o.outputs}) > 1 for o in rows) >= 2
-    _assert_logprobs_recomputed(llama, rows)
+    assert_logprobs_recomputed(llama, rows)
 
 
 def test_tensor_parallel_speculation_matches(llama):

@@ -256,3 +256,35 @@ def test_the_images_kept_are_those_of_the_turns_kept() -> None:
     _, ids, _ = fit_prompt(app, req)
     assert len(ids) == 10 * 4 + 100 * 3  # system, then from the "b", "c" turn on
     assert [r.url[-5:] for r in req.chat.media_refs] == ["b.png", "c.png", "d.png"]
+
+
+def test_call_ids_reused_across_turns_still_allow_cuts(srv: SimpleNamespace) -> None:
+    """A client that numbers its calls per turn ("call_0" in every turn): each output pairs
+    with the latest call of its id, so the turns between two such pairs may still be cut."""
+
+    def call(cid: str) -> dict:
+        return {"type": "function_call", "call_id": cid, "name": "lookup", "arguments": "{}"}
+
+    def output(cid: str, text: str) -> dict:
+        return {"type": "function_call_output", "call_id": cid, "output": text}
+
+    items = [
+        {"role": "user", "content": "first " + "o" * 200},
+        call("call_0"),
+        output("call_0", "r1"),
+        {"role": "assistant", "content": "done1"},
+        {"role": "user", "content": "second"},
+        call("call_0"),
+        output("call_0", "r2"),
+        {"role": "assistant", "content": "done2"},
+        {"role": "user", "content": "last"},
+    ]
+    r = _create(srv, input=items, truncation="auto")
+    kept = [
+        ("user", "second"),
+        ("assistant", ""),
+        ("tool", "r2"),
+        ("assistant", "done2"),
+        ("user", "last"),
+    ]
+    assert _sent(srv, r["id"]) == _text(kept)

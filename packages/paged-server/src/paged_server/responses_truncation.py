@@ -55,17 +55,16 @@ def turn_cuts(
     ):
         pinned += 1
     keep = starts[pinned] if pinned < len(items) else int(instructions) + pinned
-    # a cut before item u parts a call from its output when first < u <= last for its call_id
-    first: dict[str, int] = {}
-    last: dict[str, int] = {}
-    for i, it in enumerate(items):
-        if it["type"] in ("function_call", "function_call_output"):
-            first.setdefault(it["call_id"], i)
-            last[it["call_id"]] = i
+    # a cut before item u parts a call at c from its output at o when c < u <= o; an output
+    # pairs with the latest call of its call_id before it (clients may reuse ids across turns)
+    calls: dict[str, int] = {}
     parted = [0] * (len(items) + 1)
-    for cid, i in first.items():
-        parted[i + 1] += 1
-        parted[last[cid] + 1] -= 1
+    for i, it in enumerate(items):
+        if it["type"] == "function_call":
+            calls[it["call_id"]] = i
+        elif it["type"] == "function_call_output" and it["call_id"] in calls:
+            parted[calls[it["call_id"]] + 1] += 1
+            parted[i + 1] -= 1
     cuts, open_spans = [keep], 0
     for u in range(len(items)):
         open_spans += parted[u]

@@ -162,6 +162,7 @@ def test_reasoning_items_sent_back_reach_the_template() -> None:
         call,
         {"type": "function_call_output", "call_id": "c1", "output": "42"},
         {"type": "reasoning", "summary": [{"type": "summary_text", "text": "sum"}]},
+        reasoning("more"),  # two in a row: one turn's thinking
     ]
     chat = parse_responses({"input": items}, "hermes", ResponseStore()).chat
     got = [(m["role"], m.get("content"), m.get("reasoning_content")) for m in chat.messages]
@@ -171,7 +172,7 @@ def test_reasoning_items_sent_back_reach_the_template() -> None:
         ("user", "b", None),
         ("assistant", "", "plan b"),  # (parse_chat: no content is "")
         ("tool", "42", None),
-        ("assistant", "", "sum"),  # the summary's text where there is no content
+        ("assistant", "", "sum\nmore"),  # the summary's text where there is no content
     ]
     assert chat.messages[3]["tool_calls"][0]["id"] == "c1"
     # previous_response_id: the stored output's reasoning comes back with its turn

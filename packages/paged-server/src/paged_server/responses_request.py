@@ -272,10 +272,15 @@ def _messages(
             "reasoning_content" in last and last["content"] is None and "tool_calls" not in last
         )
         answer = it["type"] == "message" and it["role"] == "assistant" and thought
-        joins = answer or (it["type"] == "function_call" and last.get("role") == "assistant")
+        more = it["type"] == "reasoning" and bool(it["text"]) and thought  # one turn's thinking
+        joins = (
+            answer or more or (it["type"] == "function_call" and last.get("role") == "assistant")
+        )
         starts.append(len(messages) - 1 if joins else len(messages))
         if answer:
             last["content"] = _chat_content(it["content"])
+        elif more:
+            last["reasoning_content"] += "\n" + it["text"]
         elif it["type"] == "message":
             messages.append({"role": it["role"], "content": _chat_content(it["content"])})
         elif it["type"] == "reasoning":

@@ -176,10 +176,9 @@ class StructuredOutputManager:
 
 def _log_failure(fut: Future) -> None:
     """A warm-up that failed is retried by the first compile, which reports the error."""
-    if not fut.cancelled() and fut.exception() is not None:
-        logger.warning(
-            "structured outputs: building the grammar backend failed: %s", fut.exception()
-        )
+    error = None if fut.cancelled() else fut.exception()
+    if error is not None:
+        logger.warning("structured outputs: building the grammar backend failed: %s", error)
 
 
 def _tokenizer_size(tokenizer) -> int:

@@ -25,7 +25,8 @@ from paged_engine.testing import write_tiny_model
 
 pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file
-from test_spec_draft_model import _run, assert_same_marginals, noisy_copy
+from spec_checks import run_engine
+from test_spec_draft_model import assert_same_marginals, noisy_copy
 
 pytestmark = pytest.mark.usefixtures("no_isolated_step_failures")  # conftest.py
 
@@ -106,8 +107,8 @@ def test_greedy_penalties_are_token_identical(models, repeating, method):
         spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
     else:
         spec = {"model": str(close), "num_speculative_tokens": 4}
-    plain, _ = _run(target, prompts, params)
-    got, stats = _run(target, prompts, params, speculative_config=spec)
+    plain, _ = run_engine(target, prompts, params)
+    got, stats = run_engine(target, prompts, params, speculative_config=spec)
     _assert_same(got, plain)
     assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
     if method == "ngram":  # the frequency-penalized rows moved on from their first token
@@ -124,13 +125,13 @@ def test_the_target_as_its_own_draft_has_every_penalized_draft_accepted(repeatin
         SamplingParams(temperature=0.8, seed=i, max_tokens=24, ignore_eos=True, **PENALTIES[i % 4])
         for i in range(len(prompts))
     ]
-    plain, _ = _run(repeating, prompts, greedy)
+    plain, _ = run_engine(repeating, prompts, greedy)
     assert all(len(set(plain[i].outputs[0].token_ids)) > 2 for i in (1, 5))
     spec = {"model": str(repeating), "num_speculative_tokens": 4}
-    got, stats = _run(repeating, prompts, greedy, speculative_config=spec)
+    got, stats = run_engine(repeating, prompts, greedy, speculative_config=spec)
     _assert_same(got, plain)
     assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens > 0
-    _, stats = _run(repeating, prompts, sampled, speculative_config=spec)
+    _, stats = run_engine(repeating, prompts, sampled, speculative_config=spec)
     assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens > 0
 
 
@@ -152,9 +153,9 @@ def test_sampled_penalties_keep_the_distribution(repeating):
         )
         for s in range(num)
     ]
-    plain, _ = _run(repeating, [prompt] * num, params)
+    plain, _ = run_engine(repeating, [prompt] * num, params)
     config = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
-    spec, stats = _run(repeating, [prompt] * num, params, speculative_config=config)
+    spec, stats = run_engine(repeating, [prompt] * num, params, speculative_config=config)
     assert stats.spec_decode_num_drafts > num // 10
     assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
     assert_same_marginals(plain, spec, 6)
@@ -169,8 +170,10 @@ def test_tensor_parallel_penalized_drafts_match(models):
         temperature=0.8, seed=3, max_tokens=16, ignore_eos=True, repetition_penalty=1.2
     )
     spec = {"model": str(close), "num_speculative_tokens": 3}
-    one, one_stats = _run(target, prompts, params, speculative_config=spec)
-    two, two_stats = _run(target, prompts, params, speculative_config=spec, tensor_parallel_size=2)
+    one, one_stats = run_engine(target, prompts, params, speculative_config=spec)
+    two, two_stats = run_engine(
+        target, prompts, params, speculative_config=spec, tensor_parallel_size=2
+    )
     assert [o.outputs[0].token_ids for o in two] == [o.outputs[0].token_ids for o in one]
     assert two_stats.spec_decode_num_accepted_tokens == one_stats.spec_decode_num_accepted_tokens
     assert one_stats.spec_decode_num_accepted_tokens > 0

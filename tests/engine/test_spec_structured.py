@@ -26,7 +26,7 @@ from paged_engine.testing import write_tiny_model
 
 pytest.importorskip("llguidance")
 pytest.importorskip("transformers")
-from test_spec_draft_model import _run
+from spec_checks import run_engine
 from test_spec_penalties import repeating  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.usefixtures("no_isolated_step_failures")  # conftest.py
@@ -66,8 +66,8 @@ def test_regex_rows_draft_under_their_own_masks(repeating):  # noqa: F811
         {"prompt_token_ids": _ids(repeating, "xyzxyz")},
     ]
     params = [_regex(r"a{6}b{6}c{6}"), _regex(r"(xyz){6}")]
-    plain, _ = _run(repeating, prompts, params)
-    got, stats = _run(repeating, prompts, params, speculative_config=NGRAM)
+    plain, _ = run_engine(repeating, prompts, params)
+    got, stats = run_engine(repeating, prompts, params, speculative_config=NGRAM)
     _assert_same(got, plain)
     assert got[0].outputs[0].text == "aaaaaabbbbbbcccccc"
     assert got[1].outputs[0].text == "xyz" * 6
@@ -85,8 +85,8 @@ def test_bad_words_rows_draft(repeating):  # noqa: F811
         SamplingParams(temperature=0, max_tokens=30, logprobs=1, bad_words=["aaa"]),
         SamplingParams(temperature=0, max_tokens=30, bad_words=["aaa"], n=2, best_of=2),
     ]
-    plain, _ = _run(repeating, prompts, params)
-    got, stats = _run(repeating, prompts, params, speculative_config=NGRAM)
+    plain, _ = run_engine(repeating, prompts, params)
+    got, stats = run_engine(repeating, prompts, params, speculative_config=NGRAM)
     _assert_same(got, plain)
     assert [[c.token_ids for c in o.outputs] for o in got] == [
         [c.token_ids for c in o.outputs] for o in plain
@@ -107,8 +107,8 @@ def test_json_schemas_match_plain(tmp_path):
     so = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
     params = SamplingParams(temperature=0, max_tokens=60, logprobs=1, structured_outputs=so)
     prompts = [{"prompt_token_ids": _ids(target, '{"name": "ab", "n": 12} ' * k)} for k in (1, 3)]
-    plain, _ = _run(target, prompts, params)
-    got, stats = _run(target, prompts, params, speculative_config=NGRAM)
+    plain, _ = run_engine(target, prompts, params)
+    got, stats = run_engine(target, prompts, params, speculative_config=NGRAM)
     _assert_same(got, plain)
     assert stats.spec_decode_num_draft_tokens > 0
     for o in got:
@@ -161,10 +161,10 @@ def test_draft_models_skip_constrained_rows(tmp_path):
     regex = _regex(r"[a-z]{3}-[0-9]{2}")
     prompts = [{"prompt_token_ids": [5, 6, 7, 8]}] * 2
     spec = {"model": str(target), "num_speculative_tokens": 3}
-    plain, _ = _run(target, prompts[:1], [regex])
-    got, stats = _run(target, prompts[:1], [regex], speculative_config=spec)
+    plain, _ = run_engine(target, prompts[:1], [regex])
+    got, stats = run_engine(target, prompts[:1], [regex], speculative_config=spec)
     _assert_same(got, plain)
     assert re.fullmatch(r"[a-z]{3}-[0-9]{2}", got[0].outputs[0].text)
     assert stats.spec_decode_num_drafts == 0
-    _, stats = _run(target, prompts, [regex, free], speculative_config=spec)
+    _, stats = run_engine(target, prompts, [regex, free], speculative_config=spec)
     assert stats.spec_decode_num_drafts > 0

@@ -17,6 +17,8 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
+from paged_engine.models.utils import default_weight_loader
+
 MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 # transformers' conversion pattern -> the renames it applies before stacking experts
 EXPERT_LAYOUTS: dict[str, tuple[tuple[str, str], ...]] = {
@@ -90,13 +92,10 @@ class ExpertStacker:
             dst = param.data[int(found[1])]  # [2I, D] or [D, I]
             if half is not None:
                 dst = dst.chunk(2, dim=0)[half]
-            if dst.shape != w.shape:
-                raise ValueError(
-                    f"cannot load weight {name!r} into {pname!r}: expected "
-                    f"{tuple(dst.shape)}, got {tuple(w.shape)}"
-                )
-            with torch.no_grad():
-                dst.copy_(w)
+            try:
+                default_weight_loader(dst, w)  # the shape checked, then copied
+            except ValueError as e:
+                raise ValueError(f"cannot load weight {name!r} into {pname!r}: {e}") from e
             self.pieces[pname] += 1
 
     def complete(self, strict: bool) -> set[str]:

@@ -58,6 +58,7 @@ from paged_engine.models.multimodal_text import MARKER
 from paged_engine.models.transformers_backend.causal import TransformersForCausalLM
 from paged_engine.models.transformers_backend.pooling import TransformersEmbeddingModel
 from paged_engine.models.transformers_backend.selection import _refuse
+from paged_engine.models.utils import default_weight_loader
 from paged_engine.multimodal.inputs import ImageInput
 
 # vLLM's architecture names for this backend on a vision-language checkpoint (the embedding
@@ -242,13 +243,10 @@ class TransformersImageEncoder(nn.Module):
             param = params.get(name)
             if param is None:
                 raise ValueError(f"{type(self).__name__}: unexpected weight {name!r}")
-            if param.shape != tensor.shape:
-                raise ValueError(
-                    f"{type(self).__name__}: weight {name!r} has shape {tuple(tensor.shape)}, "
-                    f"the model's is {tuple(param.shape)}"
-                )
-            with torch.no_grad():
-                param.copy_(tensor)
+            try:
+                default_weight_loader(param, tensor)  # the shape checked, then copied
+            except ValueError as e:
+                raise ValueError(f"{type(self).__name__}: weight {name!r}: {e}") from e
             loaded.add(name)
         missing = sorted(set(params) - loaded)
         if missing:

@@ -162,6 +162,7 @@ class StreamingToolText:
         self.deltas = ToolCallDeltas()
         self.scanned = 0  # len(text) at the last partial_calls scan
         self.blank = 0  # text[:blank] is whitespace (_no_content_yet)
+        self.longest = max(map(len, parser.start_markers), default=1)  # the longest marker
 
     def _updates(self) -> list[dict[str, Any]]:
         """The calls' new entries, when a rescan is due (see the module docstring)."""
@@ -184,8 +185,7 @@ class StreamingToolText:
             return "", self._updates()
         # a marker not found before this delta can only start in its last `longest` - 1
         # characters or in the delta (nothing is read twice: a long stream stays linear)
-        markers = self.parser.start_markers
-        longest = max(map(len, markers), default=1)
+        markers, longest = self.parser.start_markers, self.longest
         seen = max(self.sent, len(text) - len(delta) - longest + 1)
         start = -1
         for m in markers:  # (a loop: a comprehension over `text` would close over it, and a

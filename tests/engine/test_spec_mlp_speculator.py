@@ -303,3 +303,6 @@ def test_method_and_count_from_the_config_and_refusals(target, tmp_path):
     save_file({k: v for k, v in w.items() if k != "head.2.weight"}, broken / "model.safetensors")
     with pytest.raises(ValueError, match=r"lacks \['head.2.weight'\]"):
         LLM(str(target), speculative_config=_spec(broken, 3))
+    save_file({**w, "head.1.weight": w["head.1.weight"][:-1]}, broken / "model.safetensors")
+    with pytest.raises(ValueError, match=r"tensor head.1.weight: shape mismatch: expected"):
+        LLM(str(target), speculative_config=_spec(broken, 3))

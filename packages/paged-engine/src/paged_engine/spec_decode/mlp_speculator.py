@@ -39,6 +39,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from paged_engine.models.utils import default_weight_loader
 from paged_engine.spec_decode.draft_model import DraftProposal, store_draft
 from paged_engine.spec_decode.last_hidden import LastHiddenRunner
 
@@ -221,13 +222,10 @@ class MLPSpeculator(nn.Module):
             target = params.get(f"{kind}.{j}.{leaf}")
             if target is None:
                 continue
-            if target.shape != w.shape:
-                raise ValueError(
-                    f"MLP speculator tensor {name}: shape {tuple(w.shape)}, expected "
-                    f"{tuple(target.shape)}"
-                )
-            with torch.no_grad():
-                target.copy_(w)
+            try:
+                default_weight_loader(target, w)  # the shape checked, then copied
+            except ValueError as e:
+                raise ValueError(f"MLP speculator tensor {name}: {e}") from e
             loaded.add(f"{kind}.{j}.{leaf}")
         missing = sorted(set(params) - loaded)
         if missing:

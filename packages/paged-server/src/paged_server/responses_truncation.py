@@ -78,12 +78,17 @@ def turn_cuts(
     return TurnCuts(keep, cuts, media)
 
 
-def _fits(chat: GenerationRequest, n: int, max_model_len: int) -> bool:
+def _misfit(chat: GenerationRequest, n: int, max_model_len: int) -> APIError | None:
+    """The 400 a prompt of `n` tokens gets under `chat`'s max_tokens, None when it fits."""
     try:
-        check_context(n, chat.max_tokens, max_model_len)
-    except APIError:
-        return False
-    return True
+        check_context(n, chat.max_tokens, max_model_len, "messages")
+    except APIError as e:
+        return e
+    return None
+
+
+def _fits(chat: GenerationRequest, n: int, max_model_len: int) -> bool:
+    return _misfit(chat, n, max_model_len) is None
 
 
 def fit_prompt(app: OpenAIApp, req: ResponsesRequest) -> Prompt:
@@ -106,16 +111,13 @@ def fit_prompt(app: OpenAIApp, req: ResponsesRequest) -> Prompt:
 
     hi = shown = len(cuts.starts) - 1
     best = render(hi) if hi else full
-    n = len(best[1])
-    if not _fits(chat, n, app.max_model_len):
-        try:
-            check_context(n, chat.max_tokens, app.max_model_len, "messages")
-        except APIError as e:
-            e.message = (
-                "even with truncation 'auto' (every turn before the last one dropped) the input "
-                f"does not fit: {e.message}"
-            )
-            raise
+    error = _misfit(chat, len(best[1]), app.max_model_len)
+    if error is not None:
+        error.message = (
+            "even with truncation 'auto' (every turn before the last one dropped) the input "
+            f"does not fit: {error.message}"
+        )
+        raise error
     lo = 0  # invariant: the cut lo does not fit, the cut hi does
     while hi - lo > 1:
         shown = mid = (lo + hi) // 2

@@ -64,3 +64,49 @@ def test_an_older_name_is_renamed():
 
     config = EngineConfig.from_kwargs(model="m", override_pooler_config={"pooling_type": "MEAN"})
     assert config.pooler_config == {"pooling_type": "MEAN"}
+
+
+@pytest.mark.parametrize(
+    ("options", "field", "value"),
+    [
+        ({"kv_offloading_size": 2.0, "kv_offloading_backend": "native"}, "cpu_offload_gib", 2.0),
+        ({"optimization_level": 1}, "compilation_config", 1),
+        (
+            {"optimization_level": 3, "compilation_config": {"level": 1}},
+            "compilation_config",
+            {"level": 1},
+        ),
+        ({"max_model_len": -1}, "max_model_len", None),
+        ({"max_model_len": "auto"}, "max_model_len", None),
+        (
+            {"language_model_only": True},
+            "limit_mm_per_prompt",
+            {"image": 0, "video": 0, "audio": 0},
+        ),
+        ({"disable_mm_preprocessor_cache": True}, "mm_processor_cache_gb", 0.0),
+        ({"attention_backend": "FLASH_ATTN"}, "attention_backend", "auto"),
+        ({"structured_outputs_config": {"backend": "xgrammar"}}, "seed", 0),
+        ({"cudagraph_capture_sizes": [1, 2], "enable_dbo": False}, "seed", 0),
+    ],
+)
+def test_vllm_engine_args_forms(options, field, value):
+    """vLLM EngineArgs fields paged has under another name or form (no model is loaded)."""
+    from paged_engine.config import EngineConfig
+
+    assert getattr(EngineConfig.from_kwargs(model="m", **options), field) == value
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"kv_offloading_backend": "lmcache"}, "kv_offloading_backend='lmcache'"),
+        ({"decode_context_parallel_size": 2}, "decode_context_parallel_size=2"),
+        ({"structured_outputs_config": {"disable_any_whitespace": True}}, "structured_outputs"),
+        ({"kv_offloading_size": 1.0, "cpu_offload_gib": 1.0}, "kv_offloading_size and"),
+    ],
+)
+def test_vllm_engine_args_paged_cannot_honour(options, match):
+    from paged_engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match=match):
+        EngineConfig.from_kwargs(model="m", **options)

@@ -246,3 +246,130 @@ def test_allowed_media_domains_reach_the_loader() -> None:
     assert app.media.domains == {"images.example.com", "cdn.example.com"}
     _, app = build_app(parse_args(["m"]), FakeEngine(max_model_len=MAX_MODEL_LEN))
     assert app.media.domains is None
+
+
+# The audit of vLLM's `serve` flags (engine args, FrontendArgs, serve's own): the ones paged
+# acts on or accepts at the value it serves, and vLLM's forms of writing them.
+ACCEPTED = [
+    (["--max-model-len", "32k"], "max_model_len", 32000),
+    (["--max-model-len=1K"], "max_model_len", 1024),
+    (["--max-model-len", "auto"], "max_model_len", None),  # the model's own length
+    (["--max-model-len", "-1"], "max_model_len", None),
+    (["--max-num-batched-tokens", "16k"], "max_num_batched_tokens", 16000),
+    (["--kv-offloading-size", "4", "--kv-offloading-backend", "native"], "cpu_offload_gib", 4.0),
+    (["--optimization-level", "2"], "compilation_config", 2),
+    (["--optimization-level", "2", "-cc", '{"level": 1}'], "compilation_config", {"level": 1}),
+    (["-O3"], "compilation_config", 3),
+    (["-O.level=3"], "compilation_config", {"level": 3}),
+    (["--compilation-config.level", "3"], "compilation_config", {"level": 3}),
+    (
+        ["--speculative-config.method", "ngram", "--speculative-config.num_speculative_tokens=4"],
+        "speculative_config",
+        {"method": "ngram", "num_speculative_tokens": 4},
+    ),
+    (
+        ["--hf-overrides.rope_scaling.factor", "2.0", "--hf-overrides.rope_scaling.rope_type=yarn"],
+        "hf_overrides",
+        {"rope_scaling": {"factor": 2.0, "rope_type": "yarn"}},
+    ),
+    (["--hf-overrides.architectures+", "A,B"], "hf_overrides", {"architectures": ["A", "B"]}),
+    (["--max_model_len", "2048"], "max_model_len", 2048),
+    (["--no_enable_prefix_caching"], "enable_prefix_caching", False),
+    (["--enable-log-requests", "--no-enable-log-requests"], "enable_log_requests", False),
+    (["--no-enable-log-requests", "--enable-log-requests"], "enable_log_requests", True),
+    (["--trust-remote-code", "--no-trust-remote-code"], "trust_remote_code", False),
+    (["--language-model-only"], "limit_mm_per_prompt", {"image": 0, "video": 0, "audio": 0}),
+    (["--cuda-graph-sizes", "1", "2", "4"], "vllm_cuda_graph_sizes", ["1", "2", "4"]),
+    (["--cudagraph-capture-sizes", "8", "16"], "vllm_cudagraph_capture_sizes", ["8", "16"]),
+    (["--no-enable-dbo"], "vllm_enable_dbo", None),
+    (["--cpu-offload-gb", "0"], "vllm_cpu_offload_gb", "0"),
+    (["-dcp", "1", "--nnodes", "1", "--node-rank", "0"], "vllm_node_rank", "0"),
+    (["--mamba-cache-dtype", "auto"], "vllm_mamba_cache_dtype", "auto"),
+    (["--fingerprint-mode", "none"], "vllm_fingerprint_mode", "none"),
+    (["--api-key", "k"], "api_key", "k"),
+]
+
+
+@pytest.mark.parametrize(("argv", "dest", "value"), ACCEPTED)
+def test_vllm_flags_and_forms_parse_to_their_effect(argv, dest, value) -> None:
+    assert getattr(parse_args(["m", *argv]), dest) == value
+
+
+REFUSED = [
+    ["--tokens-only"],
+    ["--tool-server", "demo"],
+    ["--middleware", "a.b"],
+    ["--headless"],
+    ["--skip-tokenizer-init"],
+    ["--enable-per-request-metrics"],
+    ["--disable-sliding-window"],
+    ["--cpu-offload-gb", "4"],
+    ["-dcp", "2"],
+    ["--nnodes", "2"],
+    ["--kv-offloading-backend", "lmcache"],
+    ["--fingerprint-mode", "full"],
+    ["--optimization-level", "4"],
+    ["--max-model-len", "32 k"],
+    ["--api-key", "a", "b"],
+    ["--config", "serve.json"],
+]
+
+
+@pytest.mark.parametrize("argv", REFUSED)
+def test_what_paged_cannot_honour_is_refused_naming_the_flag(capsys, argv) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["m", *argv])
+    assert argv[0] in capsys.readouterr().err
+
+
+def test_the_new_ignored_flags_are_named_in_the_warning(caplog) -> None:
+    args = parse_args(["m", "--otlp-traces-endpoint", "http://c:4317", "--enable-log-deltas"])
+    with caplog.at_level(logging.WARNING, logger="paged_server"):
+        assert warn_ignored(args) == ["--otlp-traces-endpoint", "--enable-log-deltas"]
+    assert warn_ignored(parse_args(["m", "--cpu-offload-gb", "0", "--no-enable-dbo"])) == []
+
+
+def test_config_file_flags_come_before_the_command_lines(tmp_path) -> None:
+    """vLLM's `--config serve.yaml`: keys as flag names (dashes or underscores), true a switch,
+    false its --no- form, a list one flag with its items, a mapping its JSON; the command line
+    wins over the file."""
+    path = tmp_path / "serve.yaml"
+    path.write_text(
+        "port: 9000\nmax_model_len: 2k\nenable-prefix-caching: false\ntrust-remote-code: true\n"
+        "enforce-eager: false\nserved-model-name: [a, b]\ncompilation-config:\n  level: 3\n"
+    )
+    args = parse_args(["serve", "m", "--config", str(path), "--port", "9001"])
+    assert (args.model, args.port, args.max_model_len) == ("m", 9001, 2000)
+    assert args.enable_prefix_caching is False and args.trust_remote_code is True
+    assert args.enforce_eager is False and args.served_model_name == ["a", "b"]
+    assert args.compilation_config == {"level": 3}
+    path.write_text("model: m2\n")
+    assert parse_args([f"--config={path}"]).model == "m2"
+
+
+def test_vllm_api_key_variable(monkeypatch) -> None:
+    monkeypatch.setenv("VLLM_API_KEY", "from-env")
+    assert parse_args(["m"]).api_key == "from-env"
+    assert parse_args(["m", "--api-key", "flag"]).api_key == "flag"
+    monkeypatch.delenv("VLLM_API_KEY")
+    assert parse_args(["m"]).api_key is None
+
+
+def test_new_forms_reach_the_engine(monkeypatch) -> None:
+    seen = {}
+    monkeypatch.setattr(paged_engine, "LLMEngine", lambda config: seen.setdefault("c", config))
+    build_engine(parse_args(["m", "--kv-offloading-size", "2", "--optimization-level", "1"]))
+    config = seen.pop("c")
+    assert (config.cpu_offload_gib, config.compilation_config) == (2.0, 1)
+
+
+def test_replicas_get_the_plain_command_line(tmp_path) -> None:
+    """--data-parallel-size from a config file or in underscores is the router's, not passed
+    on to its replicas (each would start replicas of its own)."""
+    from paged_server.data_parallel import replica_argv
+
+    path = tmp_path / "serve.yaml"
+    path.write_text("data_parallel_size: 2\nport: 8001\n")
+    args = parse_args(["m", "--config", str(path), "--tensor_parallel_size", "1"])
+    assert args.data_parallel_size == 2
+    assert replica_argv(args.command_line) == ["m", "--tensor-parallel-size", "1"]

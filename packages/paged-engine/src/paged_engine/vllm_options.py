@@ -32,6 +32,32 @@ IGNORED: dict[str, str] = {
     "disable_cascade_attn": "there is no cascade attention",
     "enable_expert_parallel": "MoE experts are split by tensor parallelism",
     "guided_decoding_backend": "structured outputs have one grammar engine (llguidance)",
+    "cudagraph_capture_sizes": "CUDA graphs are captured at fixed batch-size buckets",
+    "max_cudagraph_capture_size": "CUDA graphs are captured up to max_num_seqs",
+    "max_num_partial_prefills": "chunked prefill shares one token budget",
+    "max_long_partial_prefills": "chunked prefill shares one token budget",
+    "safetensors_load_strategy": "safetensors files are memory-mapped",
+    "ignore_patterns": "the weights are the files load_format names, nothing else",
+    "use_tqdm_on_load": "a progress bar while weights load; nothing else",
+    "pt_load_map_location": ".pt / .bin weights load to the host, then the device",
+    "allow_deprecated_quantization": "no quantization method is deprecated here",
+    "attention_config": "attention runs in paged's own kernels",
+    "enable_dbo": "no dual-batch overlap: tensor parallelism all-reduces in line",
+    "enable_eplb": "MoE experts are split by tensor parallelism, not rebalanced",
+    "all2all_backend": "MoE experts are split by tensor parallelism: no all-to-all",
+    "mm_encoder_tp_mode": "a vision tower is split like the language model",
+    "mm_processor_cache_type": "processed images stay in one in-process LRU cache",
+    "skip_mm_profiling": "start-up memory profiling only; no answer depends on it",
+    "disable_chunked_mm_input": "images whose tokens attend to each other are kept whole",
+    "disable_hybrid_kv_cache_manager": "hybrid models' caches have one layout here",
+    "kv_sharing_fast_prefill": "no KV-sharing prefill shortcut (layers all run)",
+    "num_lookahead_slots": "speculative decoding sizes its own slots",
+    "show_hidden_metrics_for_version": "every metric is shown; none was hidden",
+    "otlp_traces_endpoint": "no OpenTelemetry traces are exported",
+    "collect_detailed_traces": "no OpenTelemetry traces are exported",
+    "aggregate_engine_logging": "no periodic stats log",
+    "performance_mode": "batch limits are max_num_seqs / max_num_batched_tokens",
+    "fully_sharded_loras": "LoRA weights are split like the layers they adapt",
 }
 
 # name -> (accepts(value), what is accepted)
@@ -60,14 +86,25 @@ ONLY_DEFAULT: dict[str, tuple[Callable[[Any], bool], str]] = {
     "calculate_kv_scales": (lambda v: v is False, "False (fp8 caches keep fixed scales)"),
     "cpu_offload_gb": (lambda v: v in (0, 0.0, None), "0 (weights stay on the device)"),
     "enable_return_routed_experts": (lambda v: v is False, "False"),
+    "kv_offloading_backend": (
+        lambda v: v in (None, "native"),
+        "'native' (kv_offloading_size GiB of host memory: the prefix cache's CPU tier)",
+    ),
+    "mamba_cache_dtype": (lambda v: v == "auto", "'auto' (mamba_ssm_cache_dtype sets the state's)"),
+    "decode_context_parallel_size": (lambda v: v == 1, "1 (no context parallelism)"),
+    "prefill_context_parallel_size": (lambda v: v == 1, "1 (no context parallelism)"),
+    "worker_cls": (lambda v: v == "auto", "'auto' (paged's own worker)"),
 }
 
-RENAMED: dict[str, str] = {"override_pooler_config": "pooler_config"}
+RENAMED: dict[str, str] = {
+    "override_pooler_config": "pooler_config",
+    "kv_offloading_size": "cpu_offload_gib",  # vLLM's native CPU offload: the prefix-cache tier
+}
 
 
 def translate(kwargs: dict[str, Any]) -> dict[str, Any]:
     """`kwargs` without vLLM's options paged has no field for (see the module docstring)."""
-    out = dict(kwargs)
+    out = _vllm_values(dict(kwargs))
     ignored = []
     for name in list(out):
         if name in IGNORED:
@@ -91,4 +128,30 @@ def translate(kwargs: dict[str, Any]) -> dict[str, Any]:
             out[new] = out.pop(name)
     if ignored:
         logger.warning("vLLM options that change nothing here, ignored: %s", "; ".join(ignored))
+    return out
+
+
+def _vllm_values(out: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's forms of options paged has: max_model_len -1 / 'auto' (the model's own length),
+    optimization_level (compilation_config's level where that is not given),
+    disable_mm_preprocessor_cache (mm_processor_cache_gb 0), structured_outputs_config with a
+    backend only (one grammar engine), language_model_only (no multimodal input), an
+    attention_backend of vLLM's (paged's kernels)."""
+    if out.get("max_model_len") in (-1, "auto"):
+        out["max_model_len"] = None
+    level = out.pop("optimization_level", None)
+    if level is not None and out.get("compilation_config") is None:
+        out["compilation_config"] = level
+    if out.pop("disable_mm_preprocessor_cache", False):
+        out["mm_processor_cache_gb"] = 0.0
+    so = out.get("structured_outputs_config")
+    if isinstance(so, dict) and set(so) <= {"backend"}:  # one grammar engine, as above
+        logger.warning("structured_outputs_config=%r ignored: grammars compile with llguidance", so)
+        out.pop("structured_outputs_config")
+    if out.pop("language_model_only", False):
+        out["limit_mm_per_prompt"] = dict.fromkeys(("image", "video", "audio"), 0)
+    backend = out.get("attention_backend")
+    if isinstance(backend, str) and backend.isupper():  # vLLM's enum names: FLASH_ATTN, ...
+        logger.warning("attention_backend=%r ignored: attention runs in paged's kernels", backend)
+        out.pop("attention_backend")
     return out

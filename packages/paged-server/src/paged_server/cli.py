@@ -487,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
     if server is None:
         return 2
     if args.data_parallel_size > 1:
-        return serve_replicas(args, argv, server)
+        return serve_replicas(args, args.command_line, server)
     engine = start_engine(args, "paged-server")
     if engine is None:
         server.server_close()

@@ -13,6 +13,7 @@ import re
 import sys
 from typing import Any
 
+from paged_server import vllm_argv
 from paged_server.cors import CorsPolicy
 from paged_server.lora import lora_names_error, parse_lora_module
 from paged_server.media import fetch_timeout, local_media_dir, media_io_kwargs
@@ -65,7 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="serve on this Unix domain socket instead of --host / --port (vLLM's)",
     )
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    p.add_argument(
+        "--api-key",
+        nargs="+",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1/* (default: VLLM_API_KEY, as vLLM; "
+        "one key)",
+    )
     p.add_argument(
         "--metrics-prefix",
         type=_metrics_prefix,
@@ -232,11 +239,17 @@ def build_parser() -> argparse.ArgumentParser:
         "routes need PAGED_SERVER_DEV_MODE=1 or VLLM_SERVER_DEV_MODE=1; docs/server.md)",
     )
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument(
+        "--max-model-len",
+        type=_max_model_len,
+        default=None,
+        help="the context length (vLLM's forms: 4096, 32k, 1K = 1024; auto / -1: the model's "
+        "own, as when unset: startup fails naming it if the KV cache cannot hold it)",
+    )
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=human_readable_int, default=None)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument(
         "--distributed-executor-backend",
@@ -323,6 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--compilation-config",
         "-O",
+        "-cc",
         type=_compilation_config,
         default=None,
         help="0: eager (default); 1-3 (-O3): torch.compile the model forward (CPU), or "
@@ -344,7 +358,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--swap-space", type=float, default=0.0, help="GiB of CPU swap for preemption")
     p.add_argument("--preemption-mode", default=None, help="recompute or swap (default: by cost)")
-    p.add_argument("--cpu-offload-gib", type=float, default=0.0, help="prefix cache CPU tier")
+    p.add_argument(
+        "--cpu-offload-gib",
+        "--kv-offloading-size",
+        type=float,
+        default=0.0,
+        help="GiB of host memory for the prefix cache's CPU tier (vLLM's --kv-offloading-size "
+        "with its native backend)",
+    )
+    p.add_argument(
+        "--optimization-level",
+        type=int,
+        choices=range(4),
+        default=None,
+        help="vLLM's -O level: as --compilation-config LEVEL where that is not given",
+    )
+    p.add_argument(
+        "--language-model-only",
+        action="store_true",
+        help="serve a multimodal checkpoint's language model only (--limit-mm-per-prompt 0 for "
+        "every modality)",
+    )
     p.add_argument(
         "--quantization",
         "-q",
@@ -741,7 +775,17 @@ def parse_args(
     if argv[:1] == ["serve"]:
         argv = argv[1:]
     parser = parser or build_parser()
+    argv = vllm_argv.normalize(argv, parser)
     args = parser.parse_args(argv)
+    args.command_line = argv  # plain argparse form: what data-parallel replicas are given
+    if args.compilation_config is None:
+        args.compilation_config = args.optimization_level
+    if args.language_model_only:
+        args.limit_mm_per_prompt = dict.fromkeys(_MODALITIES, 0)
+    keys = args.api_key or [os.environ.get("VLLM_API_KEY", "")]
+    if len(keys) > 1:
+        parser.error("argument --api-key: one key only (vLLM takes several)")
+    args.api_key = keys[0] or None
     _parser_plugins(args, parser)
     if args.disable_mm_preprocessor_cache:
         args.mm_processor_cache_gb = 0.0
@@ -878,6 +922,13 @@ def _json_object(text: str) -> dict:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError("expected a JSON object")
     return value
+
+
+def _max_model_len(text: str) -> int | None:
+    """vLLM's --max-model-len: human_readable_int, or auto / -1 (None: the model's own)."""
+    if text.strip().lower() in ("auto", "-1"):
+        return None
+    return human_readable_int(text)
 
 
 def _compilation_config(text: str) -> int | dict:

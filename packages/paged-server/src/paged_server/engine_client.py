@@ -10,7 +10,9 @@ Invariants:
   commands + step_core(), nothing else. An HTTP thread that needs an engine answer (loading a
   LoRA adapter) sends a `_Call` command and waits on its Future. An "idle" call (sleep mode's
   "wait") runs once the engine has nothing left to step; requests that arrive meanwhile are
-  held back here and added right after it.
+  held back here and added right after it. The one engine method HTTP threads call is
+  prefetch_lora (thread-safe): a request or load naming an adapter that is not loaded waits
+  in its HTTP thread for the files to be read, so the engine thread never waits on a disk.
   Exactly one other thread (the output thread) calls process_outputs (detokenize, stop strings,
   logprob dicts, RequestOutputs) and hands the RequestOutputs to the groups and the metrics; a
   stop string it sees goes back to the engine thread as a command. HTTP threads only push
@@ -57,7 +59,7 @@ import re
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -242,6 +244,7 @@ class EngineClient:
         lora_request: Any = None,
         priority: int = 0,
     ) -> RequestGroup:
+        self._read_adapter(lora_request)
         group = RequestGroup(request_ids)
         now = time.monotonic()
         with self._pending_lock:
@@ -253,7 +256,18 @@ class EngineClient:
 
     def add_lora(self, lora_request: Any, timeout: float = 300.0) -> bool:
         """engine.add_lora on the engine thread; its ValueError (a bad adapter) is raised here."""
+        self._read_adapter(lora_request, timeout)
         return self.call(lambda: self.engine.add_lora(lora_request), timeout)
+
+    def _read_adapter(self, lora_request: Any, timeout: float = 300.0) -> None:
+        """Wait (this thread) for the adapter's files to be read; the engine thread's add then
+        installs it, or raises the read's ValueError. After `timeout` the add waits instead."""
+        prefetch = getattr(self.engine, "prefetch_lora", None)
+        if lora_request is None or prefetch is None:
+            return
+        read = prefetch(lora_request)
+        if read is not None:
+            wait([read], timeout)
 
     def remove_lora(self, lora_int_id: int, timeout: float = 60.0) -> None:
         """Unload an adapter: requests for it not yet in the engine fail with a 404; if

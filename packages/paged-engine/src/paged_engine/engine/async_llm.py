@@ -18,6 +18,8 @@ Invariants:
   with mode "abort" finishes the requests instead (finish_reason "abort"), as on `LLMEngine`.
 - A slow consumer merges: cumulative outputs (CUMULATIVE, FINAL_ONLY) keep only the newest of
   those queued; DELTA outputs are all yielded, in order.
+- A request or `add_lora` naming a LoRA adapter that is not loaded waits on the caller's side
+  for its files to be read (a loader thread, lora/loader.py), so no step waits on the disk.
 - Failures fail requests, not the loop: an add's ValueError is raised to its caller; a
   step that raises is isolated by the engine core (core/step_isolation.py): its requests
   recompute, each alone, and only one that fails alone again gets the exception (its
@@ -182,6 +184,7 @@ class AsyncLLM:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         kind = getattr(params, "output_kind", RequestOutputKind.FINAL_ONLY)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), kind)
+        await self._read_adapter(lora)
         await self._submit(("add", request_id, prompt, params, lora, priority, stream))
         finished = False
         try:
@@ -247,6 +250,7 @@ class AsyncLLM:
         return await self._call(lambda e: e.is_paused())
 
     async def add_lora(self, lora_request: LoRARequest) -> bool:
+        await self._read_adapter(lora_request)
         return await self._call(lambda e: e.add_lora(lora_request))
 
     async def remove_lora(self, lora_id: int) -> bool:
@@ -319,6 +323,25 @@ class AsyncLLM:
 
     async def _call(self, fn: Callable[[Any], Any]) -> Any:
         return await self._submit(("call", fn))
+
+    async def _read_adapter(self, lora: Any) -> None:
+        """Wait here, not on the engine thread, for a LoRA adapter's files to be read
+        (LLMEngine.prefetch_lora); the add that installs it raises what the read raised."""
+        if lora is None or self.engine is None:
+            return
+        read = self.engine.prefetch_lora(lora)
+        if read is None:
+            return
+        # Not wrap_future: a caller that gives up must not cancel a read others may wait for.
+        loop = asyncio.get_running_loop()
+        ended = loop.create_future()
+
+        def wake(_: concurrent.futures.Future) -> None:
+            with contextlib.suppress(RuntimeError):  # the caller's loop closed meanwhile
+                loop.call_soon_threadsafe(lambda: ended.done() or ended.set_result(None))
+
+        read.add_done_callback(wake)
+        await ended
 
     # ---- the engine thread --------------------------------------------------------------------
     def _main(self, ready: concurrent.futures.Future) -> None:

@@ -17,6 +17,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -343,10 +344,12 @@ class LLMEngine:
         self.lora_registry = None
         if config.enable_lora:
             scheduler = self.scheduler
+            manager = getattr(worker.model_runner, "lora", None)  # rank 0's: reads ahead
             self.lora_registry = LoRARegistry(
                 self.executor,
                 config.max_cpu_loras or config.max_loras,
                 lambda: {r.lora_id for r in scheduler.requests.values() if r.lora_id},
+                loader=None if manager is None else manager.loader,
             )
         self.eos_token_ids = _eos_ids(self.hf_config, self.tokenizer, self.resolved)
         self.vocab_size = int(self.hf_config.vocab_size)
@@ -605,6 +608,15 @@ class LLMEngine:
         self.lora_registry.ensure(lora_request)
         return True
 
+    def prefetch_lora(self, lora_request: LoRARequest) -> Future | None:
+        """Start reading an adapter's files on a loader thread; the one call any thread may
+        make. The Future is done when the read ended: an `add_request` / `add_lora` naming the
+        adapter after that installs it without reading (and raises the read's ValueError).
+        None when there is nothing to read ahead (loaded already, or LoRA is off)."""
+        if self.lora_registry is None:
+            return None
+        return self.lora_registry.prefetch(lora_request)
+
     def remove_lora(self, lora_id: int) -> bool:
         """Unload an adapter; False when it is not loaded or unfinished requests use it."""
         return self.lora_registry is not None and self.lora_registry.remove(lora_id)
@@ -616,6 +628,8 @@ class LLMEngine:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         self.output_processor.abort(ids)
         self.engine_core.abort_requests(ids)
+        if self.lora_registry is not None:  # adapters only they held go back to max_cpu_loras
+            self.lora_registry.trim()
 
     def has_unfinished_requests(self) -> bool:
         return self.engine_core.has_unfinished_requests()
@@ -646,10 +660,13 @@ class LLMEngine:
         a step failed with only its requests in it (core/step_isolation.py): they are gone,
         every other request goes on."""
         try:
-            return self.engine_core.step()
+            outputs = self.engine_core.step()
         except RequestFailedError as e:
             self.output_processor.abort(e.request_ids)
             raise
+        if self.lora_registry is not None:  # adapters only finished requests held
+            self.lora_registry.trim()
+        return outputs
 
     def process_outputs(self, core_outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
         """The output stage: text, stop strings, RequestOutputs. Pass `.stopped` back to
@@ -659,6 +676,8 @@ class LLMEngine:
     def finish_seqs(self, stopped: list[tuple[str, int, str]]) -> None:
         """Free sequences the output stage ended with a stop string."""
         self.engine_core.finish_seqs(stopped)
+        if self.lora_registry is not None:
+            self.lora_registry.trim()
 
     def check_health(self) -> None:
         """Raise EngineDeadError if a worker rank has died, without running a step (vLLM's
@@ -667,6 +686,8 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()
+        if self.lora_registry is not None:
+            self.lora_registry.shutdown()
 
     def warm_structured_outputs(self) -> None:
         """Build the grammar backend in the background now (paged-server, once serving), so

@@ -5,6 +5,9 @@ arriving with an adapter takes that adapter's slot, loading it into a slot no li
 when it has none: the scheduler never runs more distinct adapters than `max_loras`, so such a
 slot always exists. Slots load on the step's stream before its forward, after the previous
 step's kernels: a slot reloaded here is never read by a step that ran with its old adapter.
+
+`loader` reads and packs adapters on a thread of its own (lora/loader.py): `add` installs what
+it read ahead, and reads on the calling thread only what nobody asked it to read.
 """
 
 from __future__ import annotations
@@ -14,12 +17,18 @@ from collections import Counter
 import numpy as np
 
 from paged_engine.lora.adapter import read_peft_adapter
+from paged_engine.lora.loader import AdapterLoader
 from paged_engine.lora.model import LoRAModel, PackedAdapter
+
+# Finished reads waiting for their installs (each holds a packed adapter): callers install what
+# they waited for within a step, so a few suffice; past them the oldest are dropped.
+MAX_READ_AHEAD = 4
 
 
 class LoRAManager:
     def __init__(self, lora_model: LoRAModel, max_num_seqs: int) -> None:
         self.model = lora_model
+        self.loader = AdapterLoader(self.read, MAX_READ_AHEAD)
         self.num_slots = lora_model.mapping.num_slots
         self.packed: dict[int, PackedAdapter] = {}  # adapter id -> this rank's slot contents
         self.paths: dict[int, str] = {}
@@ -31,18 +40,25 @@ class LoRAManager:
         self.row_slot = np.full(max_num_seqs, -1, dtype=np.int64)
 
     # ---- adapters (the engine's calls) ------------------------------------------------------
+    def read(self, path: str) -> PackedAdapter:
+        """The adapter at `path` read and packed for this rank (any thread: it reads the
+        model's layout only); ValueError when it cannot be served."""
+        return self.model.pack(read_peft_adapter(path, self.model.max_rank))
+
     def add(self, lora_id: int, path: str) -> None:
-        """Read and pack the adapter (the engine validated it on rank 0 already)."""
+        """Install the adapter, read ahead by `loader` or read now; ValueError (the engine's
+        registry keeps it unloaded) when it cannot be served."""
         if lora_id in self.packed and self.paths[lora_id] == path:
             return
-        adapter = read_peft_adapter(path, self.model.max_rank)
-        self.packed[lora_id] = self.model.pack(adapter)
+        packed = self.loader.take(lora_id, path)  # a read in flight: waits for the rest
+        self.packed[lora_id] = packed if packed is not None else self.read(path)
         self.paths[lora_id] = path
         slot = self.slot_of.pop(lora_id, None)
         if slot is not None:  # re-added with new contents: its slot reloads on next use
             self.slot_ids[slot] = None
 
     def remove(self, lora_id: int) -> None:
+        self.loader.discard(lora_id)
         self.packed.pop(lora_id, None)
         self.paths.pop(lora_id, None)
         if not self.users[lora_id]:

@@ -174,11 +174,11 @@ def test_a_thread_that_cannot_start_is_grammar_busy_and_the_engine_serves_on(llm
 
 
 def test_a_grammar_matching_nothing_fails_with_a_readable_cause(llm):
-    """A Lark / GBNF rule loop (`a: a`) is not analysed up front: compiling finds it, and the
-    request fails after admission naming the field, with a one-line cause (not llguidance's
-    parser-state dump)."""
+    """A terminal matching nothing (`"a" & "b"`) is not analysed up front (a rule loop such
+    as `a: a` is: grammar_rules.py): compiling finds it, and the request fails after admission
+    naming the field, with a one-line cause (not llguidance's parser-state dump)."""
     with pytest.raises(RequestFailedError) as e:
-        llm.generate(["x"], _params(grammar="start: a\na: a"), use_tqdm=False)
+        llm.generate(["x"], _params(grammar='start: A\nA: "a" & "b"'), use_tqdm=False)
     cause = str(e.value.cause)
     assert cause.startswith("structured_outputs.grammar: grammar rejected for this tokenizer: ")
     assert "no output can match it" in cause and "\n" not in cause, cause

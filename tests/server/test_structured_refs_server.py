@@ -92,3 +92,28 @@ def test_no_thread_when_the_engine_adds_it_is_a_503_too(srv, monkeypatch):
     assert {k.lower(): v for k, v in headers.items()}.get("retry-after") == "1", headers
     status, _, r = srv.http.request("POST", "/v1/chat/completions", CHAT)
     assert status == 200, r
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "rule"),
+    [
+        ({**CHAT, "guided_grammar": 'start: "a" x | "b"\nx: "c" x'}, "guided_grammar", "x"),
+        (
+            {**COMPLETION, "structured_outputs": {"grammar": 'root ::= "a" r\nr ::= "b" r'}},
+            "structured_outputs",
+            "root",
+        ),
+    ],
+)
+def test_a_grammar_rule_that_cannot_end_is_a_400_naming_it(srv, body, param, rule) -> None:
+    """Before grammar_rules.py: a 200 whose text stopped mid-grammar ("ac", finish "stop")."""
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    status, _, r = srv.http.request("POST", path, body)
+    assert status == 400, r
+    err = r["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error", err
+    want = f"'{param}': structured_outputs.grammar is invalid: rule '{rule}' can never end"
+    assert err["message"].startswith(want), err
+    assert not srv.engine.has_unfinished_requests()
+    status, _, r = srv.http.request("POST", "/v1/chat/completions", CHAT)
+    assert status == 200, r

@@ -36,6 +36,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from paged_engine.structured_output.grammar_rules import check_grammar_rules
 from paged_engine.structured_output.params import StructuredOutputsParams
 from paged_engine.structured_output.schema_refs import check_ref_cycles
 from paged_engine.structured_output.structural_tag import structural_tag_lark
@@ -163,6 +164,8 @@ def _build_grammar_text(key: str) -> str:
         raise ValueError(f"{field} is invalid: {error.strip()}")
     if kind == "json" and '"$ref"' in key:  # no $ref, no loop (the walk costs ~4 us a node)
         check_ref_cycles(spec, field)  # llguidance builds a loop, then fails to fill a mask
+    if kind == "grammar":  # a rule with no way out: llguidance admits it, then ends quietly
+        check_grammar_rules(grammar, spec, field)
     return grammar
 
 

@@ -63,7 +63,7 @@ class LLGuidanceBackend(GrammarBackend):
             if error.startswith("NoExtensionBias"):  # (then a dump of the parser's state)
                 error = (
                     "no output can match it (NoExtensionBias: no token may start it, e.g. a "
-                    "rule that only refers to itself, `a: a`)"
+                    'terminal that matches nothing, `A: "a" & "b"`)'
                 )
             raise ValueError(f"grammar rejected for this tokenizer: {error}")
         return LLGuidanceMatcher(matcher)

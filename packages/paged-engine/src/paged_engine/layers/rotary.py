@@ -492,6 +492,51 @@ def rope_config(
     return float(theta or 10000.0), scaling, float(partial or 1.0)
 
 
+# Model types whose transformers rope rotates whole heads whatever partial_rotary_factor says
+# (each computes its default frequencies over head_dim) and fails on it with a scaled rope (the
+# shared scaled-rope functions honour it, so cos / sin come out narrower than the heads).
+WHOLE_HEAD_ROPE_MODEL_TYPES = frozenset(
+    {
+        "llama",
+        "mistral",
+        "ministral",
+        "mixtral",
+        "qwen2",
+        "qwen2_moe",
+        "qwen3",
+        "qwen3_moe",
+        "olmo2",
+        "olmoe",
+        "granite",
+        "granitemoe",
+        "gemma",
+        "gemma2",
+        "gemma3_text",
+        "gpt_oss",
+        "starcoder2",
+        "exaone4",
+        "smollm3",
+    }
+)
+
+
+def _hf_rotary_factor(config: Any, scaling: dict[str, Any] | None, partial: float) -> float:
+    """The fraction of each head the rope turns, as transformers' model of `config` turns it:
+    1 for a WHOLE_HEAD_ROPE_MODEL_TYPES model whatever partial_rotary_factor says (default
+    rope); such a model with a scaled rope and partial_rotary_factor < 1 (which transformers
+    cannot run) is refused by name."""
+    model_type = getattr(config, "model_type", None)
+    if partial == 1.0 or model_type not in WHOLE_HEAD_ROPE_MODEL_TYPES:
+        return partial
+    if scaling is not None:
+        kind = scaling.get("rope_type") or scaling.get("type")
+        raise ValueError(
+            f"config partial_rotary_factor={partial} with a {kind!r} rope scaling is not "
+            f"supported for model_type {model_type!r}: its rope turns whole heads"
+        )
+    return 1.0
+
+
 def get_rope(
     config: Any,
     head_dim: int,
@@ -506,6 +551,7 @@ def get_rope(
     static table: base = rope_theta * alpha ** (d / (d - 2)), d the rotary dims (other models'
     dynamic rope ignores an `alpha`, as transformers does)."""
     theta, scaling, partial = rope_config(config, layer_type)
+    partial = _hf_rotary_factor(config, scaling, partial)
     theta = theta if base is None else float(base)
     kind = scaling and (scaling.get("rope_type") or scaling.get("type"))
     hunyuan = str(getattr(config, "model_type", "")).startswith("hunyuan")

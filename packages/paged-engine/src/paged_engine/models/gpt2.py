@@ -100,6 +100,11 @@ class GPT2LMHeadModel(CausalLMBase):
     ignored_weights = (".attn.bias", ".attn.masked_bias")  # HF's causal-mask buffers
 
     def __init__(self, config):
+        if getattr(config, "add_cross_attention", False):  # an encoder-decoder's decoder
+            raise ValueError(
+                f"{type(self).__name__}: config add_cross_attention=True (cross-attention "
+                "layers over an encoder's states) is not supported"
+            )
         super().__init__(config, GPT2Model(config))
 
     def rename_weight(self, name: str) -> str:  # the original checkpoints lack "transformer."

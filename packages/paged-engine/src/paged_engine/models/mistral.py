@@ -7,8 +7,10 @@ from paged_engine.models.llama import LlamaForCausalLM
 
 class MistralForCausalLM(LlamaForCausalLM):
     """Llama's weights and layers, plus config.sliding_window (`layer_sliding_window`), which
-    Llama ignores as HF's does."""
+    Llama ignores as HF's does. No biases whatever attention_bias / mlp_bias say (HF's
+    Mistral and Ministral read neither)."""
 
     @classmethod
     def layer_flags(cls, config) -> dict[str, bool]:
-        return {**super().layer_flags(config), "sliding": True}
+        no_bias = {"qkv_bias": False, "o_bias": False, "mlp_bias": False}
+        return {**super().layer_flags(config), **no_bias, "sliding": True}

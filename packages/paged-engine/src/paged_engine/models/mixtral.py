@@ -22,7 +22,6 @@ from paged_engine.models.llama import (
     LlamaModel,
     PreNormDecoderLayer,
 )
-from paged_engine.models.mistral import MistralForCausalLM
 from paged_engine.models.utils import CausalLMBase, StackedRule, cfg_get
 
 
@@ -97,8 +96,13 @@ class MixtralForCausalLM(CausalLMBase):
 
     @classmethod
     def layer_flags(cls, config) -> dict[str, bool]:
-        # Mistral's attention; "mlp_bias" is read by dense MLPs only (Qwen3-MoE's dense layers)
-        return {**MistralForCausalLM.layer_flags(config), "mlp_bias": False}
+        # Llama's attention with the window; "mlp_bias" is read by dense MLPs only (Qwen3-MoE's
+        # dense layers). Subclasses' attention biases follow attention_bias (OLMoE's, AFMoE's);
+        # HF's Mixtral has none whatever it says.
+        flags = {**LlamaForCausalLM.layer_flags(config), "sliding": True, "mlp_bias": False}
+        if cls is MixtralForCausalLM:
+            flags.update(qkv_bias=False, o_bias=False)
+        return flags
 
     @classmethod
     def build_mlp(cls, config, layer_idx: int) -> nn.Module:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import email.errors
+import errno
 import json
 import logging
 import os
@@ -43,6 +44,9 @@ log = logging.getLogger("paged_server")
 _DIGITS = re.compile(r"[0-9]+")
 _HEX = re.compile(rb"[0-9A-Fa-f]{1,16}")
 _MAX_LINE = 4096  # a chunk-size or trailer line
+_MAX_BLANK_LINES = 8  # skipped before a request line
+_ACCEPT_EXHAUSTED = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+_ACCEPT_PAUSE = 0.5  # seconds between accepts while out of descriptors
 _BAD_VALUE = re.compile(r"[\r\n\x00]")  # a folded line or a NUL in a header value
 # what the email parser notes of a header section it read in part (a multipart Content-Type
 # adds defects of its own, about the body it expected: not ours to judge)
@@ -150,7 +154,16 @@ class Server(ThreadingHTTPServer):
         self.server_name, self.server_port = "localhost", 0
 
     def get_request(self) -> tuple[Any, Any]:
-        conn, addr = super().get_request()
+        try:
+            conn, addr = super().get_request()
+        except OSError as e:
+            # Out of descriptors or memory: the listening socket stays readable, so retrying at
+            # once would spin the accept loop; pause as asyncio's servers do (the OSError makes
+            # socketserver skip this round).
+            if e.errno in _ACCEPT_EXHAUSTED:
+                log.warning("cannot accept connections: %s; retrying in %.1f s", e, _ACCEPT_PAUSE)
+                time.sleep(_ACCEPT_PAUSE)
+            raise
         return conn, (("unix", 0) if self.unix else addr)  # handlers log client_address[0]
 
     def server_close(self) -> None:
@@ -267,7 +280,17 @@ class Handler(BaseHTTPRequestHandler):
         the email parser behind it takes a line without a colon for the end of the headers
         (silently dropping those after it, Content-Length included, so the body would be read
         as the next request) and keeps folded lines and NUL bytes in values (RFC 9112 5.2,
-        RFC 9110 5.5: reject them)."""
+        RFC 9110 5.5: reject them). Blank lines before the request line are skipped (RFC 9112
+        2.2: some clients send a CRLF after a body; without this the next request on the
+        connection is dropped unanswered)."""
+        for _ in range(_MAX_BLANK_LINES):
+            if self.raw_requestline not in (b"\r\n", b"\n"):
+                break
+            self.raw_requestline = self.rfile.readline(65537)
+        if len(self.raw_requestline) > 65536:  # the base class's check, for the line read here
+            self.requestline = self.request_version = self.command = ""
+            self.send_error(414)
+            return False
         if not super().parse_request():
             return False
         if any(isinstance(d, _HEADER_DEFECTS) for d in self.headers.defects) or any(
@@ -455,9 +478,10 @@ class Handler(BaseHTTPRequestHandler):
 
     def _read_chunked(self) -> bytes:
         """A chunked body (extensions ignored, trailers read and dropped), under the body size
-        limit and one io_timeout in total."""
+        limit and one io_timeout in total. Gathered in one buffer: a list of parts would cost
+        ~60 bytes of memory per 1-byte chunk (a 16 MiB body of them: ~1 GiB)."""
         deadline = time.monotonic() + self.server.io_timeout
-        parts, got = [], 0
+        data = bytearray()
         while True:
             line = self._read_line(deadline)
             size_text = line.split(b";", 1)[0].strip()
@@ -466,39 +490,46 @@ class Handler(BaseHTTPRequestHandler):
             size = int(size_text, 16)
             if size == 0:
                 break
-            got += size
-            self._check_size(got)
-            parts.append(self._read_exact(size, deadline))
+            self._check_size(len(data) + size)
+            data += self._read_exact(size, deadline)
             if self._read_exact(2, deadline) != b"\r\n":
                 raise bad_request("a chunk must end with CRLF")
         while self._read_line(deadline) not in (b"\r\n", b"\n"):  # trailer fields
             pass
-        return b"".join(parts)
+        return bytes(data)
 
     def _read_line(self, deadline: float) -> bytes:
-        if time.monotonic() > deadline:
-            raise APIError(408, "timed out reading the request body")
-        line = self.rfile.readline(_MAX_LINE + 1)
-        if not line:
-            raise ConnectionResetError("client closed the connection mid-body")
-        if len(line) > _MAX_LINE or not line.endswith(b"\n"):
-            raise bad_request("chunk size or trailer line too long")
-        return line
-
-    def _read_exact(self, n: int, deadline: float) -> bytes:
-        """Read n bytes by `deadline` (a trickling client cannot hold us)."""
-        parts, got = [], 0
-        while got < n:
+        """One chunk-size or trailer line by `deadline`, checked between receives as in
+        _read_exact (readline alone would wait io_timeout per byte of a trickled line)."""
+        line = bytearray()
+        while True:
             if time.monotonic() > deadline:
                 self.close_connection = True
                 raise APIError(408, "timed out reading the request body")
-            chunk = self.rfile.read1(min(n - got, 1 << 16))
+            buffered = self.rfile.peek(1)  # the bytes buffered, else one receive's
+            if not buffered:
+                raise ConnectionResetError("client closed the connection mid-body")
+            room = _MAX_LINE + 1 - len(line)
+            end = buffered.find(b"\n", 0, room) + 1
+            line += self.rfile.read(end or min(len(buffered), room))
+            if len(line) > _MAX_LINE:
+                raise bad_request("chunk size or trailer line too long")
+            if end:
+                return bytes(line)
+
+    def _read_exact(self, n: int, deadline: float) -> bytes:
+        """Read n bytes by `deadline` (a trickling client cannot hold us)."""
+        data = bytearray()  # one buffer: a trickled body arrives in many small receives
+        while len(data) < n:
+            if time.monotonic() > deadline:
+                self.close_connection = True
+                raise APIError(408, "timed out reading the request body")
+            chunk = self.rfile.read1(min(n - len(data), 1 << 16))
             if not chunk:
                 self.close_connection = True
                 raise ConnectionResetError("client closed the connection mid-body")
-            parts.append(chunk)
-            got += len(chunk)
-        return b"".join(parts)
+            data += chunk
+        return bytes(data)
 
     # ---- responses -------------------------------------------------------------------------
     def send_json(self, status: int, obj: Any, headers: dict[str, str] | None = None) -> None:
@@ -584,7 +615,10 @@ class Handler(BaseHTTPRequestHandler):
 
     def send_chunk(self, data: bytes) -> None:
         """Stream bytes as they are (whole SSE events: one HTTP chunk, flushed); raises OSError
-        if the client went away."""
+        if the client went away. A HEAD request gets the headers alone (RFC 9110 9.3.2: a body
+        would be read as the next response on the connection)."""
+        if self.command == "HEAD":
+            return
         if self.chunked:
             data = b"%x\r\n%s\r\n" % (len(data), data)
         self.wfile.write(data)
@@ -595,7 +629,7 @@ class Handler(BaseHTTPRequestHandler):
         streams' end mark; Responses API streams end without one)."""
         if done:
             self.send_event(b"[DONE]")
-        if self.chunked:
+        if self.chunked and self.command != "HEAD":
             self.wfile.write(b"0\r\n\r\n")
             self.wfile.flush()
 

@@ -492,8 +492,11 @@ def _check_token_rules(p: SamplingParams) -> None:
 
 def _token_id(name: str, value: Any) -> int:
     """A non-negative token id; JSON object keys arrive as strings ("50256")."""
-    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
-        value = int(value)
+    if isinstance(value, str):
+        digits = value.strip().removeprefix("-")
+        # ASCII and short, else int() raises unnamed ('²' is a digit; 5000 digits overflow)
+        if digits.isascii() and digits.isdigit() and len(digits) <= 20:
+            value = int(value)
     token = _as_int(name, value)
     assert token is not None
     if token < 0:

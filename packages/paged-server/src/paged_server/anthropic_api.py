@@ -351,8 +351,12 @@ def anthropic_model_list(h: Handler, cards: list[dict[str, Any]]) -> dict[str, A
     `before_id`."""
     query = parse_qs(urlsplit(h.path).query)
     raw_limit = query.get("limit", ["20"])[-1]
-    if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= 1000:
-        raise bad_request(f"limit must be an integer from 1 to 1000, got {raw_limit!r}", "limit")
+    # ASCII digits, not too many: int() refuses '²' (a digit to isdigit) and 5000 digits
+    if not (raw_limit.isascii() and raw_limit.isdigit() and len(raw_limit) <= 18) or not (
+        1 <= int(raw_limit) <= 1000
+    ):
+        msg = f"limit must be an integer from 1 to 1000, got {raw_limit[:50]!r}"
+        raise bad_request(msg, "limit")
     limit = int(raw_limit)
     models = [anthropic_model(c) for c in cards]
     ids = [m["id"] for m in models]

@@ -403,7 +403,8 @@ class OpenAIApp:
         if "messages" in body:
             own = ("add_special_tokens", "return_token_strs")  # /tokenize's, not chat's
             chat = {k: v for k, v in body.items() if k not in own}
-            req = parse_chat(chat, images=self.takes_media)
+            # the tools render as a chat request's would (its tool_choice checks included)
+            req = parse_chat(chat, self.tool_call_parser, self.takes_media)
             ids = self._expand_media(req, self._chat_ids(req, bool(special))[1])
         elif isinstance(body.get("prompt"), str):
             ids = self._encode(body["prompt"], True if special is None else special)

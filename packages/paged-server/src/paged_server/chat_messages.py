@@ -216,7 +216,7 @@ def _tool_calls(param: str, calls: Any) -> list[dict[str, Any]]:
         if isinstance(args, str):
             try:
                 args = json.loads(args) if args.strip() else {}
-            except ValueError:
+            except (ValueError, RecursionError):  # 100k "[" raise the latter
                 raise bad_request(f"{p}.function.arguments must be JSON text", p) from None
         if not isinstance(args, dict):
             raise bad_request(f"{p}.function.arguments must be a JSON object", p)

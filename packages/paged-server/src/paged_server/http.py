@@ -20,6 +20,7 @@ import email.errors
 import errno
 import json
 import logging
+import math
 import os
 import re
 import select
@@ -61,16 +62,47 @@ def _reject_constant(name: str) -> None:
     raise ValueError(f"{name} is not valid JSON")
 
 
+def _infinite_path(value: Any) -> str:
+    """The path ("a.b[2]") of the first infinite float under `value`, walked without recursion
+    (JSON may nest deeply); "" for the value itself."""
+    stack: list[tuple[Any, str]] = [(value, "")]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, float) and math.isinf(item):
+            return path
+        if isinstance(item, dict):
+            subs = [(sub, f"{path}.{key}" if path else str(key)) for key, sub in item.items()]
+        elif isinstance(item, list):
+            subs = [(sub, f"{path}[{i}]") for i, sub in enumerate(item)]
+        else:
+            continue
+        stack.extend(reversed(subs))
+    return ""
+
+
 def parse_json_body(data: bytes | str, invalid: str = "Invalid JSON body") -> Any:
     """A request body as every route takes it: JSON (RFC 8259: NaN / Infinity are Python's
-    extensions, refused like any other malformed body, so no non-finite number reaches a schema
-    or a response) without lone surrogates (valid JSON, invalid Unicode: every route's text
-    reaches a tokenizer, a template or a log, and none takes one); else a 400 (`invalid`: how
-    its message starts when the text is not JSON)."""
+    extensions, refused like any other malformed body, as is a number past a double's range
+    (1e999), so no non-finite number reaches a schema or a response) without lone surrogates
+    (valid JSON, invalid Unicode: every route's text reaches a tokenizer, a template or a log,
+    and none takes one); else a 400 (`invalid`: how its message starts when the text is not
+    JSON)."""
+    past_range: list[str] = []  # numbers past a double's range (1e999): float() gives inf
+
+    def number(text: str) -> float:
+        value = float(text)
+        if math.isinf(value):
+            past_range.append(text)
+        return value
+
     try:
-        body = json.loads(data, parse_constant=_reject_constant)
+        body = json.loads(data, parse_constant=_reject_constant, parse_float=number)
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise bad_request(f"{invalid}: {e}") from None
+    if past_range:
+        path = _infinite_path(body)
+        msg = f"{path or 'the body'}: the number {past_range[0][:50]} is past a double's range"
+        raise bad_request(msg, path or None)
     found = find_lone_surrogate(body, "")
     if found is not None:
         path, at, char = found

@@ -183,8 +183,9 @@ def serve_events(app: OpenAIApp, h: Handler, stored: StoredResponse, query: dict
             "stream",
         )
     raw = query.get("starting_after", [None])[-1]
-    if raw is not None and not (raw.isascii() and raw.isdigit()):
-        msg = f"starting_after must be a sequence number (an integer >= 0), got {raw!r}"
+    # at most 18 digits: int() refuses 5000 (and no stream holds 10**18 events)
+    if raw is not None and not (raw.isascii() and raw.isdigit() and len(raw) <= 18):
+        msg = f"starting_after must be a sequence number (an integer >= 0), got {raw[:50]!r}"
         raise APIError(400, msg, "starting_after")
     h.start_stream()
     for event in run.follow(-1 if raw is None else int(raw), h.client_gone, app.poll_interval):

@@ -519,8 +519,12 @@ def serve_input_items(app: OpenAIApp, h: Handler, rid: str) -> None:
     if order not in ("asc", "desc"):
         raise APIError(400, f"order must be 'asc' or 'desc', got {order!r}", "order")
     raw_limit = query.get("limit", ["20"])[-1]
-    if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= 100:
-        raise APIError(400, f"limit must be an integer from 1 to 100, got {raw_limit!r}", "limit")
+    # ASCII digits, not too many: int() refuses '²' (a digit to isdigit) and 5000 digits
+    if not (raw_limit.isascii() and raw_limit.isdigit() and len(raw_limit) <= 18) or not (
+        1 <= int(raw_limit) <= 100
+    ):
+        msg = f"limit must be an integer from 1 to 100, got {raw_limit[:50]!r}"
+        raise APIError(400, msg, "limit")
     items = stored.input_items if order == "asc" else stored.input_items[::-1]
     after = query.get("after", [None])[-1]
     if after is not None:

@@ -213,7 +213,7 @@ def _input_items(value: Any, images: bool = False) -> list[dict[str, Any]]:
             args = item.get("arguments")
             try:
                 ok = isinstance(args, str) and isinstance(json.loads(args or "{}"), dict)
-            except ValueError:
+            except (ValueError, RecursionError):  # 100k "[" raise the latter
                 ok = False
             if not ok:
                 raise bad_request(f"{p}.arguments must be a JSON object as text", f"{p}.arguments")

@@ -22,6 +22,7 @@ _EXPORTS = {
     "TextPrompt": "paged_engine.inputs",
     "TokensPrompt": "paged_engine.inputs",
     "EmbedsPrompt": "paged_engine.inputs",
+    "PromptType": "paged_engine.inputs",
     "EngineStats": "paged_engine.engine.stats",
     "EngineConfig": "paged_engine.config",
     "SamplingParams": "paged_engine.sampling_params",
@@ -36,9 +37,13 @@ _EXPORTS = {
     "RequestMetrics": "paged_engine.outputs",
     "Logprob": "paged_engine.logprobs",
     "PoolingParams": "paged_engine.pooling",
+    "PoolingOutput": "paged_engine.pooling",
     "PoolingRequestOutput": "paged_engine.pooling",
+    "EmbeddingOutput": "paged_engine.pooling",
     "EmbeddingRequestOutput": "paged_engine.pooling",
+    "ClassificationOutput": "paged_engine.classification",
     "ClassificationRequestOutput": "paged_engine.classification",
+    "ScoringOutput": "paged_engine.scoring",
     "ScoringRequestOutput": "paged_engine.scoring",
     "LoRARequest": "paged_engine.lora.request",
 }
@@ -51,8 +56,10 @@ __all__ = [
     "BeamSearchOutput",
     "BeamSearchParams",
     "BeamSearchSequence",
+    "ClassificationOutput",
     "ClassificationRequestOutput",
     "CompletionOutput",
+    "EmbeddingOutput",
     "EmbeddingRequestOutput",
     "EmbedsPrompt",
     "EngineArgs",
@@ -62,12 +69,15 @@ __all__ = [
     "LLMEngine",
     "LoRARequest",
     "Logprob",
+    "PoolingOutput",
     "PoolingParams",
     "PoolingRequestOutput",
+    "PromptType",
     "RequestMetrics",
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",
+    "ScoringOutput",
     "ScoringRequestOutput",
     "StructuredOutputsParams",
     "TextPrompt",
@@ -76,18 +86,25 @@ __all__ = [
 
 if TYPE_CHECKING:
     from paged_engine.beam_search import BeamSearchOutput, BeamSearchSequence
+    from paged_engine.classification import ClassificationOutput, ClassificationRequestOutput
     from paged_engine.config import EngineConfig
     from paged_engine.engine.async_llm import AsyncEngineArgs, AsyncLLM, AsyncLLMEngine, EngineArgs
     from paged_engine.engine.llm_engine import LLMEngine
     from paged_engine.engine.stats import EngineStats
-    from paged_engine.inputs import EmbedsPrompt, TextPrompt, TokensPrompt
+    from paged_engine.inputs import EmbedsPrompt, PromptType, TextPrompt, TokensPrompt
     from paged_engine.llm import LLM
     from paged_engine.logprobs import Logprob
     from paged_engine.lora.request import LoRARequest
     from paged_engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-    from paged_engine.pooling import EmbeddingRequestOutput, PoolingParams, PoolingRequestOutput
+    from paged_engine.pooling import (
+        EmbeddingOutput,
+        EmbeddingRequestOutput,
+        PoolingOutput,
+        PoolingParams,
+        PoolingRequestOutput,
+    )
     from paged_engine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
-    from paged_engine.scoring import ScoringRequestOutput
+    from paged_engine.scoring import ScoringOutput, ScoringRequestOutput
     from paged_engine.structured_output.params import (
         GuidedDecodingParams,
         StructuredOutputsParams,

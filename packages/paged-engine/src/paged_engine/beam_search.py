@@ -22,6 +22,9 @@ class BeamSearchSequence:
     text: str | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # the prompt's multimodal inputs, as vLLM's beams carry them
+    multi_modal_data: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
 
 
 @dataclass

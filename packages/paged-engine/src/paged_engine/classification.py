@@ -215,8 +215,16 @@ class ClassificationRequestOutput:
     prompt_token_ids: list[int]
     finished: bool = True
     prompt: str | None = None
+    num_cached_tokens: int = 0
 
     @classmethod
     def from_base(cls, out: PoolingRequestOutput) -> ClassificationRequestOutput:
         probs = ClassificationOutput(out.outputs.data.tolist())
-        return cls(out.request_id, probs, out.prompt_token_ids, out.finished, out.prompt)
+        return cls(
+            out.request_id,
+            probs,
+            out.prompt_token_ids,
+            out.finished,
+            out.prompt,
+            out.num_cached_tokens,
+        )

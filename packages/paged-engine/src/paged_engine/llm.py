@@ -32,7 +32,13 @@ from paged_engine.multimodal.chat_format import (
     string_content,
 )
 from paged_engine.multimodal.chat_media import split_media
-from paged_engine.offline_args import conversations, per_prompt
+from paged_engine.multimodal.processor_cache import ProcessorCache
+from paged_engine.offline_args import (
+    TokenizationOptions,
+    conversations,
+    per_prompt,
+    tokenization_options,
+)
 from paged_engine.outputs import RequestOutput
 from paged_engine.pooling import EmbeddingRequestOutput, PoolingParams, PoolingRequestOutput
 from paged_engine.sampling_params import BeamSearchParams, SamplingParams
@@ -43,6 +49,7 @@ from paged_engine.scoring import (
     pair_indices,
     pair_prompt,
 )
+from paged_engine.unicode_text import check_text
 
 PromptType = str | list[int] | dict
 
@@ -79,10 +86,12 @@ class LLM:
         use_tqdm: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         priority: Sequence[int] | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order. `lora_request`: one
         adapter for every prompt, or one (or None) per prompt (needs enable_lora=True).
-        `priority`: one int per prompt, lower first (needs scheduling_policy="priority")."""
+        `priority`: one int per prompt, lower first (needs scheduling_policy="priority").
+        `tokenization_kwargs`: vLLM's (`_tokenize_as`)."""
         prompt_list = _as_prompt_list(prompts)
         if priority is not None and (
             not isinstance(priority, (list, tuple)) or len(priority) != len(prompt_list)
@@ -97,6 +106,9 @@ class LLM:
             "sampling_params",
             (SamplingParams, BeamSearchParams),
             self.get_default_sampling_params() if sampling_params is None else None,
+        )
+        prompt_list, params_list = self._tokenize_as(
+            tokenization_options(tokenization_kwargs), prompt_list, params_list
         )
         loras = _per_prompt_loras(lora_request, len(prompt_list))
         return self._run(list(zip(prompt_list, params_list)), use_tqdm, loras, priority)
@@ -129,7 +141,8 @@ class LLM:
             )
         tok = self.get_tokenizer()
         results = []
-        for out in outputs:
+        for prompt, out in zip(prompt_list, outputs, strict=True):
+            mm = prompt if isinstance(prompt, dict) else {}
             beams = []
             for c in out.outputs:
                 tokens = (out.prompt_token_ids or []) + list(c.token_ids)  # (prompt_embeds: none)
@@ -142,6 +155,8 @@ class LLM:
                         text=tok.decode(tokens),
                         finish_reason=c.finish_reason,
                         stop_reason=c.stop_reason,
+                        multi_modal_data=mm.get("multi_modal_data"),
+                        mm_processor_kwargs=mm.get("mm_processor_kwargs"),
                     )
                 )
             results.append(BeamSearchOutput(sequences=beams))
@@ -159,6 +174,7 @@ class LLM:
         continue_final_message: bool = False,
         tools: list[dict] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
         mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate
@@ -175,7 +191,9 @@ class LLM:
         vLLM's `image_pil` parts; the Qwen-VL family (VIDEO_MODELS) also `video_url` parts
         (multimodal/chat_media.py), processed with `mm_processor_kwargs`.
         A tekken.json tokenizer without a template (vLLM's tokenizer_mode="mistral") builds the
-        prompt ids as mistral_common does (mistral_chat.py) unless `chat_template` is given."""
+        prompt ids as mistral_common does (mistral_chat.py) unless `chat_template` is given.
+        `tokenization_kwargs` as `generate`'s; the rendered text is encoded without special
+        tokens (the template holds them) unless it says add_special_tokens=True."""
         if continue_final_message and add_generation_prompt:
             raise ValueError(
                 "continue_final_message and add_generation_prompt cannot both be True: pass "
@@ -190,6 +208,7 @@ class LLM:
             raise ValueError(
                 f"chat_template_kwargs must be a dict or None, got {chat_template_kwargs!r:.200}"
             )
+        opts = tokenization_options(tokenization_kwargs)
         prompts, token_prompts = [], []
         tok = self.llm_engine.tokenizer
         for conv in conversations(messages):
@@ -227,7 +246,8 @@ class LLM:
                 except TemplateError as e:  # a template's own raise_exception, a bad template
                     raise ValueError(f"could not apply the chat template: {e}") from e
                 # The template already holds any BOS token: encode without adding another.
-                ids = tok.encode(text, add_special_tokens=False)
+                text = text.lower() if opts.do_lower_case else text
+                ids = tok.encode(text, add_special_tokens=bool(opts.add_special_tokens))
             prompts.append(text)
             prompt: dict[str, Any] = {"prompt_token_ids": ids}
             if media:
@@ -236,7 +256,11 @@ class LLM:
                     prompt["mm_processor_kwargs"] = mm_processor_kwargs
             token_prompts.append(prompt)
         outputs = self.generate(
-            token_prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request
+            token_prompts,
+            sampling_params,
+            use_tqdm=use_tqdm,
+            lora_request=lora_request,
+            tokenization_kwargs=tokenization_kwargs,
         )
         for out, text in zip(outputs, prompts):
             out.prompt = text
@@ -250,6 +274,7 @@ class LLM:
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         *,
         truncate_prompt_tokens: int | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
     ) -> list[EmbeddingRequestOutput]:
         """vLLM's `LLM.embed`: one embedding per prompt (`out.outputs.embedding`), pooled from
         the model's final hidden states as `pooler_config` says (last token by default,
@@ -261,6 +286,7 @@ class LLM:
             use_tqdm,
             lora_request,
             truncate_prompt_tokens=truncate_prompt_tokens,
+            tokenization_kwargs=tokenization_kwargs,
         )
         return [EmbeddingRequestOutput.from_base(o) for o in outs]
 
@@ -272,6 +298,7 @@ class LLM:
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         truncate_prompt_tokens: int | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
     ) -> list[ClassificationRequestOutput]:
         """vLLM's `LLM.classify` for a `*ForSequenceClassification` model: the label
         probabilities of each prompt (`out.outputs.probs`, one per label, in config.id2label's
@@ -284,6 +311,7 @@ class LLM:
             use_tqdm,
             lora_request,
             truncate_prompt_tokens=truncate_prompt_tokens,
+            tokenization_kwargs=tokenization_kwargs,
         )
         return [ClassificationRequestOutput.from_base(o) for o in outs]
 
@@ -296,6 +324,7 @@ class LLM:
         use_tqdm: bool = True,
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
     ) -> list[PoolingRequestOutput]:
         """vLLM's `LLM.reward` for a reward model (models/reward_model.py): `encode` with
         task "token_classify", each prompt token's reward in `outputs.data` ([n, 1]; a process
@@ -307,6 +336,7 @@ class LLM:
             lora_request,
             truncate_prompt_tokens=truncate_prompt_tokens,
             pooling_task="token_classify",
+            tokenization_kwargs=tokenization_kwargs,
         )
 
     def encode(
@@ -318,12 +348,14 @@ class LLM:
         *,
         truncate_prompt_tokens: int | None = None,
         pooling_task: str | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
     ) -> list[PoolingRequestOutput]:
         """vLLM's `LLM.encode`: the pooled vectors as `PoolingRequestOutput`s
         (`outputs.data`: a float32 tensor), in input order: what the model pools by default (an
         embedding; a classifier's label probabilities) unless `pooling_task` (or
         `PoolingParams.task`) says: "token_embed" / "token_classify" give one row per prompt
-        token ([num_prompt_tokens, size])."""
+        token ([num_prompt_tokens, size]). `tokenization_kwargs` as `generate`'s; an explicit
+        `truncate_prompt_tokens` wins over every other."""
         if pooling_task is not None:
             pooling_params = _with_task(
                 pooling_params if pooling_params is not None else PoolingParams(), pooling_task
@@ -331,6 +363,9 @@ class LLM:
         prompt_list = _as_prompt_list(prompts)
         params_list = per_prompt(
             pooling_params, len(prompt_list), "pooling_params", (PoolingParams,), PoolingParams()
+        )
+        prompt_list, params_list = self._tokenize_as(
+            tokenization_options(tokenization_kwargs), prompt_list, params_list
         )
         if truncate_prompt_tokens is not None:  # over each params' own (validated there)
             params_list = [
@@ -349,19 +384,24 @@ class LLM:
         truncate_prompt_tokens: int | None = None,
         use_tqdm: bool = True,
         pooling_params: PoolingParams | None = None,
-        lora_request: LoRARequest | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
+        chat_template: str | None = None,
     ) -> list[ScoringRequestOutput]:
         """vLLM's `LLM.score`: one score per pair (`out.outputs.score`), pairing data_1 with
         data_2 1:1, 1:N (one query against each document) or N:N (scoring.py). An embedding
         model scores the cosine similarity of the two texts' embeddings; a single-label
         classifier (a cross-encoder / reranker) reads each pair as one prompt and scores its
-        activated logit."""
+        activated logit. As in vLLM, a list `lora_request` has one entry per prompt run: per
+        pair for a cross-encoder, per text (data_1's, then data_2's) for an embedding model.
+        `chat_template` (vLLM's score template of a cross-encoder) is not supported: None."""
         first, second = _as_prompt_list(data_1), _as_prompt_list(data_2)
         pairs = pair_indices(len(first), len(second), ("data_1", "data_2"))
         if pooling_params is not None and not isinstance(pooling_params, PoolingParams):
             raise ValueError(f"pooling_params must be a PoolingParams, got {pooling_params!r}")
-        if lora_request is not None and not isinstance(lora_request, LoRARequest):
-            raise ValueError(f"lora_request must be a LoRARequest or None, got {lora_request!r}")
+        if chat_template is not None:
+            why = "not supported" if self.llm_engine.classifier else "only for a cross-encoder"
+            raise ValueError(f"chat_template (a score template) is {why}")
         if self.llm_engine.classifier is not None:
             tokenizer = self.get_tokenizer()
             names = ("data_1", "data_2")
@@ -381,6 +421,7 @@ class LLM:
                 use_tqdm,
                 lora_request,
                 truncate_prompt_tokens=truncate_prompt_tokens,
+                tokenization_kwargs=tokenization_kwargs,
             )
             return cross_encoder_scores(outs, [o.prompt_token_ids for o in outs])
         outs = self.encode(
@@ -389,6 +430,7 @@ class LLM:
             use_tqdm,
             lora_request,
             truncate_prompt_tokens=truncate_prompt_tokens,
+            tokenization_kwargs=tokenization_kwargs,
         )
         pad = getattr(self.get_tokenizer(), "pad_token_id", None)
         return cosine_scores(outs[: len(first)], outs[len(first) :], pairs, pad)
@@ -410,9 +452,28 @@ class LLM:
         module-level function)."""
         return self.collective_rpc(_apply_to_model, args=(func,))
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget the prefix cache (after a weight update); False while requests run."""
-        return self.llm_engine.reset_prefix_cache()
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forget the prefix cache (after a weight update); False while requests run, unless
+        `reset_running_requests` (vLLM's): those are preempted and recomputed."""
+        if not isinstance(reset_running_requests, bool):
+            raise ValueError(
+                f"reset_running_requests must be a bool, got {reset_running_requests!r:.200}"
+            )
+        return self.llm_engine.reset_prefix_cache(reset_running_requests)
+
+    def reset_mm_cache(self) -> None:
+        """vLLM's: empty the multimodal processor cache (mm_processor_cache_gb), so images are
+        processed again (after their files change, or to free host memory)."""
+        images = self.llm_engine.input_processor.images
+        cache = getattr(images, "cache", None)
+        if cache is not None:
+            images.cache = ProcessorCache(cache.max_bytes)
+
+    def get_world_size(self, include_dp: bool = True) -> int:
+        """vLLM's: the ranks serving this LLM, tensor_parallel_size * pipeline_parallel_size
+        (`include_dp`: times data parallelism, which an LLM runs none of: 1)."""
+        config = self.llm_engine.config
+        return config.tensor_parallel_size * config.pipeline_parallel_size
 
     def sleep(self, level: int = 1, tags: list[str] | None = None, mode: str = "abort") -> None:
         """vLLM's sleep mode (needs enable_sleep_mode=True): level 1 moves the weights to host
@@ -447,6 +508,54 @@ class LLM:
         histograms and finished-request counts cover the requests this LLM's calls ran."""
         stats = self.llm_engine.get_stats()
         return metrics_snapshot(stats, self._latency, str(self.llm_engine.config.model))
+
+    def _tokenize_as(
+        self, opts: TokenizationOptions, prompts: list[PromptType], params: list[Any]
+    ) -> tuple[list[PromptType], list[Any]]:
+        """vLLM's `tokenization_kwargs` applied to one call: truncation becomes each params'
+        truncate_prompt_tokens (where it sets none: its own wins, as in vLLM); text prompts are
+        encoded here when they say how (add_special_tokens, do_lower_case) or must be counted
+        (max_length without truncation)."""
+        if opts.keep is not None:
+            params = [_with_keep(p, opts.keep) for p in params]
+        if opts.encodes:
+            prompts = [self._encode_as(p, opts) for p in prompts]
+        return prompts, params
+
+    def _encode_as(self, prompt: PromptType, opts: TokenizationOptions) -> PromptType:
+        """One prompt as token ids per `opts`; token-id prompts as given (max_length checked)."""
+        ids: Any = None
+        if isinstance(prompt, (list, tuple)):
+            ids = prompt
+        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+        if ids is not None:
+            if opts.keep is None and isinstance(ids, (list, tuple)):
+                _check_max_length(len(ids), opts.max_length)
+            return prompt
+        ip = self.llm_engine.input_processor
+        other = ("multi_modal_data", "prompt_embeds", "encoder_prompt", "decoder_prompt")
+        if (
+            (isinstance(prompt, dict) and any(k in prompt for k in other))
+            or ip.encoder_prompts is not None
+            or ip.audios is not None
+        ):
+            raise ValueError(
+                "tokenization_kwargs add_special_tokens, do_lower_case and max_length (without "
+                "truncation) apply to the text and token-id prompts of a decoder-only text "
+                "model only"
+            )
+        text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
+        if not isinstance(text, str) or not text:
+            return prompt  # the engine refuses it by name
+        check_text(text, "prompt")
+        text = text.lower() if opts.do_lower_case else text
+        special = True if opts.add_special_tokens is None else opts.add_special_tokens
+        ids = self.llm_engine.tokenizer.encode(text, add_special_tokens=special)
+        if opts.keep is None:
+            _check_max_length(len(ids), opts.max_length)
+        base = prompt if isinstance(prompt, dict) else {}
+        return {**base, "prompt": text, "prompt_token_ids": ids}
 
     def _run(
         self,
@@ -521,6 +630,25 @@ def _per_prompt_loras(
             "or one per prompt"
         )
     return list(lora_request)
+
+
+def _with_keep(params: Any, keep: int) -> Any:
+    """`params` cutting its prompt to `keep` tokens unless it says its own truncation."""
+    if isinstance(params, BeamSearchParams):
+        raise ValueError("tokenization_kwargs truncation is not supported with BeamSearchParams")
+    if not isinstance(params, (SamplingParams, PoolingParams)):
+        return params  # refused by name where it is used
+    if params.truncate_prompt_tokens is not None:
+        return params
+    return dataclasses.replace(params, truncate_prompt_tokens=keep)
+
+
+def _check_max_length(num_tokens: int, max_length: int | None) -> None:
+    if max_length is not None and num_tokens > max_length:
+        raise ValueError(
+            f"prompt has {num_tokens} tokens, more than tokenization_kwargs['max_length'] = "
+            f"{max_length} (pass truncation=True to cut it)"
+        )
 
 
 def _with_task(params: PoolingParams | Sequence[PoolingParams], task: str) -> Any:

@@ -8,11 +8,17 @@ engine, so the LLM keeps serving the next call.
 - `conversations`: `LLM.chat`'s messages as a list of conversations; every message a dict with a
   string role and content that is a string, a list of parts or None (OpenAI's message shape, as
   vLLM's chat_utils reads it), so a message without a role is not rendered as an empty one.
+- `tokenization_options`: vLLM's `tokenization_kwargs` (the keys its renderer reads) as a
+  `TokenizationOptions`.
 """
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 
 def per_prompt(
@@ -75,3 +81,82 @@ def _check_conversation(conv: list | tuple, where: str) -> None:
                 f"{at}.content must be a string, a list of content parts or None, got "
                 f"{type(content).__name__}"
             )
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizationOptions:
+    """vLLM's `tokenization_kwargs`, read as its renderer reads them.
+
+    keep: truncate_prompt_tokens (the prompt's last k tokens; -1: as many as fit), from
+        `truncate_prompt_tokens` or from `truncation=True` with `max_length` (None: no cut).
+    max_length: without truncation, the most tokens a prompt may hold (longer: ValueError).
+    add_special_tokens / do_lower_case: how a text prompt is encoded (None: the model's way).
+    """
+
+    keep: int | None = None
+    max_length: int | None = None
+    add_special_tokens: bool | None = None
+    do_lower_case: bool | None = None
+
+    @property
+    def encodes(self) -> bool:
+        """Whether text prompts must be encoded here rather than by the engine."""
+        return (
+            self.add_special_tokens is not None
+            or bool(self.do_lower_case)
+            or (self.max_length is not None and self.keep is None)
+        )
+
+
+def tokenization_options(kwargs: Any) -> TokenizationOptions:
+    """`tokenization_kwargs` (a dict or None) as options; ValueError naming a bad value. Keys
+    vLLM's renderer does not read are ignored with a warning, as vLLM does."""
+    if kwargs is None:
+        return TokenizationOptions()
+    if not isinstance(kwargs, dict):
+        raise ValueError(f"tokenization_kwargs must be a dict or None, got {kwargs!r:.200}")
+    rest = dict(kwargs)
+    max_length = _optional_int(rest.pop("max_length", None), "max_length", minimum=1)
+    keep = _optional_int(rest.pop("truncate_prompt_tokens", None), "truncate_prompt_tokens")
+    if keep is not None and keep != -1 and keep < 1:
+        raise ValueError(
+            f"tokenization_kwargs['truncate_prompt_tokens'] must be an int >= 1, -1 or None, "
+            f"got {keep!r}"
+        )
+    special = _optional_bool(rest.pop("add_special_tokens", None), "add_special_tokens")
+    lower = _optional_bool(rest.pop("do_lower_case", None), "do_lower_case")
+    rest.pop("needs_detokenization", None)  # outputs follow SamplingParams.detokenize
+    truncation = rest.pop("truncation", None)
+    if truncation in (True, "longest_first"):  # HF's: cut to max_length (none: what fits)
+        keep = -1 if max_length is None else max_length
+    elif truncation in (False, "do_not_truncate"):
+        keep = None
+    elif truncation is not None:
+        rest["truncation"] = truncation
+    if keep is not None and max_length is not None:  # vLLM: -1 is what max_length allows
+        if keep == -1:
+            keep = max_length
+        elif keep > max_length:
+            raise ValueError(
+                f"tokenization_kwargs['truncate_prompt_tokens'] = {keep} is more than its "
+                f"max_length = {max_length}"
+            )
+    if rest:
+        logger.warning("tokenization_kwargs %s are not supported and are ignored", sorted(rest))
+    return TokenizationOptions(keep, max_length, special, lower)
+
+
+def _optional_int(value: Any, key: str, minimum: int | None = None) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"tokenization_kwargs[{key!r}] must be an int, got {value!r:.200}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"tokenization_kwargs[{key!r}] must be >= {minimum}, got {value}")
+    return value
+
+
+def _optional_bool(value: Any, key: str) -> bool | None:
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(f"tokenization_kwargs[{key!r}] must be a bool, got {value!r:.200}")
+    return value

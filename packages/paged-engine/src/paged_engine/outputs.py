@@ -23,7 +23,8 @@ class CompletionOutput:
 
     finish_reason: None while running, then "stop" (eos, stop token or stop string), "length"
     (max_tokens or max_model_len) or "abort". stop_reason: the stop token id or stop string that
-    ended it, None for eos or length.
+    ended it, None for eos or length. kv_transfer_params: vLLM's per-sequence parameters for a
+    remote KV transfer; None here (paged's connectors share a store and exchange none).
     """
 
     index: int
@@ -33,6 +34,7 @@ class CompletionOutput:
     logprobs: SampleLogprobs | None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    kv_transfer_params: dict[str, Any] | None = field(default=None, repr=False)
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -105,6 +107,40 @@ class RequestOutput:
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 0:
             self.num_prompt_tokens = len(self.prompt_token_ids or ())
+
+    @property
+    def kv_transfer_params(self) -> dict[str, Any] | list[dict[str, Any]] | None:
+        """vLLM's: the sequences' kv_transfer_params; one sequence's as a dict, several as a
+        list, None when none has any."""
+        found = [c.kv_transfer_params for c in self.outputs if c.kv_transfer_params]
+        if not found:
+            return None
+        return found[0] if len(found) == 1 else found
+
+    def add(self, next_output: RequestOutput, aggregate: bool) -> None:
+        """vLLM's: merge a later output of this request into this one. `aggregate` (DELTA
+        outputs): a sequence's new text, token ids and logprobs are appended to the one of the
+        same index; otherwise (CUMULATIVE) the later sequence replaces it. A sequence not seen
+        yet is appended."""
+        self.finished |= next_output.finished
+        for new in next_output.outputs:
+            i = next((k for k, c in enumerate(self.outputs) if c.index == new.index), None)
+            if i is None:
+                self.outputs.append(new)
+                continue
+            if not aggregate:
+                self.outputs[i] = new
+                continue
+            cur = self.outputs[i]  # copies, never the lists the engine handed out extended
+            cur.text += new.text
+            cur.token_ids = [*cur.token_ids, *new.token_ids]
+            if new.logprobs:
+                merged = cur.logprobs.copy() if cur.logprobs is not None else new.logprobs[:0]
+                merged.extend(new.logprobs)
+                cur.logprobs = merged
+            cur.cumulative_logprob = new.cumulative_logprob
+            cur.finish_reason, cur.stop_reason = new.finish_reason, new.stop_reason
+            cur.kv_transfer_params = new.kv_transfer_params
 
     def __repr__(self) -> str:
         return (

@@ -307,6 +307,7 @@ class PoolingRequestOutput:
     prompt_token_ids: list[int]
     finished: bool = True
     prompt: str | None = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (vLLM's)
 
 
 @dataclass(slots=True)
@@ -327,11 +328,19 @@ class EmbeddingRequestOutput:
     prompt_token_ids: list[int]
     finished: bool = True
     prompt: str | None = None
+    num_cached_tokens: int = 0
 
     @classmethod
     def from_base(cls, out: PoolingRequestOutput) -> EmbeddingRequestOutput:
         embedding = EmbeddingOutput(out.outputs.data.tolist())
-        return cls(out.request_id, embedding, out.prompt_token_ids, out.finished, out.prompt)
+        return cls(
+            out.request_id,
+            embedding,
+            out.prompt_token_ids,
+            out.finished,
+            out.prompt,
+            out.num_cached_tokens,
+        )
 
 
 def matryoshka_sizes(hf_config: Any) -> tuple[int, ...] | None:

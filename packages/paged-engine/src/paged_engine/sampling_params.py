@@ -230,6 +230,8 @@ class SamplingParams:
     # Token ids that end the sequence: stop_token_ids here, plus the model's eos id(s), which
     # the engine adds when it accepts the request unless ignore_eos. Not a constructor argument.
     all_stop_token_ids: set[int] = field(default_factory=set, init=False, repr=False)
+    # vLLM's: the primary eos id `update_from_generation_config` was given (None: ignore_eos)
+    _eos_token_id: int | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.n = _as_int("n", self.n)
@@ -445,6 +447,56 @@ class SamplingParams:
         """A copy that shares nothing mutable with self (stop lists, all_stop_token_ids); a
         shallow one with skip_clone (vLLM's)."""
         return copy.copy(self) if self.skip_clone else copy.deepcopy(self)
+
+    # ---- vLLM's helpers for code that builds requests itself ---------------------------------
+    @staticmethod
+    def from_optional(**kwargs: Any) -> SamplingParams:
+        """vLLM's: SamplingParams(**kwargs), None standing for the default of n, the three
+        penalties, temperature and top_p (a generation config's unset values)."""
+        for name in _OPTIONAL_DEFAULTS:
+            if kwargs.get(name) is None:
+                kwargs.pop(name, None)
+        return SamplingParams(**kwargs)
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """vLLM's name of `num_top_logprobs`."""
+        return self.num_top_logprobs
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._eos_token_id
+
+    def update_from_generation_config(
+        self, generation_config: dict[str, Any], eos_token_id: int | None = None
+    ) -> None:
+        """vLLM's: `eos_token_id` (the tokenizer's) and generation_config's other eos ids end
+        the sequence: all join all_stop_token_ids; the others also join stop_token_ids
+        unless ignore_eos."""
+        if not self.ignore_eos:
+            self._eos_token_id = eos_token_id
+        if eos_token_id is not None:
+            self.all_stop_token_ids.add(eos_token_id)
+        ids = generation_config.get("eos_token_id")
+        if ids is None:
+            return
+        extra = {ids} if isinstance(ids, int) else set(ids)
+        extra.discard(eos_token_id)  # type: ignore[arg-type]
+        self.all_stop_token_ids.update(extra)
+        if extra and not self.ignore_eos:
+            assert self.stop_token_ids is not None
+            self.stop_token_ids = list(dict.fromkeys([*self.stop_token_ids, *sorted(extra)]))
+
+
+# The fields `SamplingParams.from_optional` reads None in as their defaults (vLLM's).
+_OPTIONAL_DEFAULTS = (
+    "n",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "temperature",
+    "top_p",
+)
 
 
 def whole_vocabulary(params: SamplingParams, vocab_size: int) -> SamplingParams:

@@ -36,6 +36,7 @@ class ScoringRequestOutput:
     outputs: ScoringOutput
     prompt_token_ids: list[int]
     finished: bool = True
+    num_cached_tokens: int = 0  # both texts' (an embedding model's), or the pair prompt's
 
 
 def pair_indices(num_1: int, num_2: int, names: tuple[str, str]) -> list[tuple[int, int]]:
@@ -76,6 +77,7 @@ def cosine_scores(
                 f"{a.request_id}_{b.request_id}",
                 ScoringOutput(float(score)),
                 list(a.prompt_token_ids) + sep + list(b.prompt_token_ids),
+                num_cached_tokens=a.num_cached_tokens + b.num_cached_tokens,
             )
         )
     return out
@@ -113,6 +115,11 @@ def cross_encoder_scores(
 ) -> list[ScoringRequestOutput]:
     """One `ScoringRequestOutput` per pair prompt: its single (activated) logit."""
     return [
-        ScoringRequestOutput(o.request_id, ScoringOutput(float(o.outputs.data[0])), list(ids))
+        ScoringRequestOutput(
+            o.request_id,
+            ScoringOutput(float(o.outputs.data[0])),
+            list(ids),
+            num_cached_tokens=o.num_cached_tokens,
+        )
         for o, ids in zip(outs, pair_ids, strict=True)
     ]

@@ -395,7 +395,12 @@ class OutputProcessor:
                 tensor = tensor.reshape(0, row_width(state.pooled, params))
             data = PoolingOutput(tensor)
             return PoolingRequestOutput(
-                state.request_id, data, state.prompt_token_ids, True, state.prompt
+                state.request_id,
+                data,
+                state.prompt_token_ids,
+                True,
+                state.prompt,
+                num_cached_tokens=state.num_cached_tokens,
             )
         if not finished and not state.streams:
             return None

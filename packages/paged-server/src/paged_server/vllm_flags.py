@@ -12,47 +12,61 @@ import argparse
 import logging
 from collections.abc import Callable
 
+from paged_engine.vllm_options import IGNORED as ENGINE_IGNORED
+
 log = logging.getLogger("paged_server")
+
+# vLLM `serve` flags that are LLM(...) options paged ignores too, with the same reason
+# (vllm_options.IGNORED's) -> whether the flag takes a value
+_ENGINE_IGNORED: dict[str, bool] = {
+    "--disable-custom-all-reduce": False,
+    "--max-parallel-loading-workers": True,
+    "--safetensors-load-strategy": True,
+    "--prefix-caching-hash-algo": True,
+    "--cuda-graph-sizes": True,
+    "--max-seq-len-to-capture": True,
+    "--enable-expert-parallel": False,
+    "--max-num-partial-prefills": True,
+    "--long-prefill-token-threshold": True,
+    "--show-hidden-metrics-for-version": True,
+    "--max-long-partial-prefills": True,
+    "--enable-dbo": False,
+    "--enable-eplb": False,
+    "--mm-encoder-tp-mode": True,
+    "--fully-sharded-loras": False,
+    "--cudagraph-capture-sizes": True,
+    "--allow-deprecated-quantization": False,
+    "--use-tqdm-on-load": False,
+    "--pt-load-map-location": True,
+    "--all2all-backend": True,
+    "--mm-processor-cache-type": True,
+    "--skip-mm-profiling": False,
+    "--num-lookahead-slots": True,
+    "--disable-hybrid-kv-cache-manager": False,
+    "--kv-sharing-fast-prefill": False,
+    "--otlp-traces-endpoint": True,
+    "--collect-detailed-traces": True,
+}
 
 # flag -> (takes a value, why it changes nothing here)
 IGNORED: dict[str, tuple[bool, str]] = {
     "--disable-fastapi-docs": (False, "paged-server serves no /docs pages"),
-    "--disable-custom-all-reduce": (False, "tensor parallelism all-reduces through NCCL / gloo"),
     "--disable-frontend-multiprocessing": (False, "the HTTP front runs in the engine's process"),
-    "--max-parallel-loading-workers": (True, "weights stream from one reader"),
-    "--safetensors-load-strategy": (True, "safetensors files are memory-mapped"),
-    "--prefix-caching-hash-algo": (True, "prefix-cache keys compare whole token blocks"),
     "--root-path": (True, "routes are served at the root; a proxy strips its prefix"),
-    "--cuda-graph-sizes": (True, "CUDA graphs are captured at fixed batch-size buckets"),
-    "--max-seq-len-to-capture": (True, "CUDA graphs are captured at fixed batch-size buckets"),
     "--max-cudagraph-capture-size": (True, "CUDA graphs are captured up to --max-num-seqs"),
-    "--enable-expert-parallel": (False, "MoE experts are split by tensor parallelism"),
-    "--max-num-partial-prefills": (True, "chunked prefill shares one token budget"),
-    "--long-prefill-token-threshold": (True, "chunked prefill shares one token budget"),
     "--api-server-count": (True, "one HTTP front, a thread per connection"),
     "--h11-max-incomplete-event-size": (True, "the request line and headers: http.server's limits"),
     "--h11-max-header-count": (True, "http.server takes up to 100 headers a request"),
-    "--show-hidden-metrics-for-version": (True, "every metric is shown; none was hidden"),
-    "--max-long-partial-prefills": (True, "chunked prefill shares one token budget"),
     "--disable-cascade-attn": (False, "attention has no cascade (shared-prefix) kernel"),
     "--attention-backend": (True, "attention runs in paged's own kernels (Triton; CPU: its own)"),
-    "--enable-dbo": (False, "no dual-batch overlap: tensor parallelism all-reduces in line"),
-    "--enable-eplb": (False, "MoE experts are split by tensor parallelism, not rebalanced"),
-    "--mm-encoder-tp-mode": (True, "a vision tower is split like the language model"),
-    "--fully-sharded-loras": (False, "LoRA weights are split like the layers they adapt"),
     "--num-scheduler-steps": (True, "one scheduling decision a step (vLLM v1's too)"),
-    "--cudagraph-capture-sizes": (True, "CUDA graphs are captured at fixed batch-size buckets"),
     "--attention-config": (True, "attention runs in paged's own kernels (Triton; CPU: its own)"),
     "--mm-encoder-attn-backend": (True, "a vision tower's attention runs in torch's SDPA"),
     "--moe-backend": (True, "MoE layers run paged's own grouped GEMMs"),
     "--enable-flashinfer-autotune": (False, "no FlashInfer kernels to tune"),
-    "--allow-deprecated-quantization": (False, "no quantization method is deprecated here"),
-    "--use-tqdm-on-load": (False, "a progress bar while weights load; nothing else"),
-    "--pt-load-map-location": (True, ".pt / .bin weights load to the host, then the device"),
     "--guided-decoding-disable-fallback": (False, "one grammar engine: nothing to fall back to"),
     "--distributed-timeout-seconds": (True, "ranks keep torch.distributed's default timeout"),
     "--ray-workers-use-nsight": (False, "no Ray workers to profile"),
-    "--all2all-backend": (True, "MoE experts are split by tensor parallelism: no all-to-all"),
     "--ubatch-size": (True, "no dual-batch overlap: tensor parallelism all-reduces in line"),
     "--dbo-decode-token-threshold": (True, "no dual-batch overlap"),
     "--dbo-prefill-token-threshold": (True, "no dual-batch overlap"),
@@ -65,19 +79,12 @@ IGNORED: dict[str, tuple[bool, str]] = {
     "--eplb-log-balancedness": (False, "MoE experts are split by tensor parallelism"),
     "--disable-nccl-for-dp-synchronization": (False, "data-parallel replicas never synchronize"),
     "--enable-multimodal-encoder-data-parallel": (False, "a vision tower is split like the LM"),
-    "--mm-processor-cache-type": (True, "processed images stay in one in-process LRU cache"),
     "--mm-shm-cache-max-object-size-mb": (True, "no shared-memory cache: one in-process LRU"),
-    "--skip-mm-profiling": (False, "start-up memory profiling only; no answer depends on it"),
     "--disable-chunked-mm-input": (
         False,
         "a chunk ends inside an image only where that changes nothing (images whose tokens "
         "attend to each other are kept whole)",
     ),
-    "--num-lookahead-slots": (True, "speculative decoding sizes its own slots"),
-    "--disable-hybrid-kv-cache-manager": (False, "hybrid models' caches have one layout here"),
-    "--kv-sharing-fast-prefill": (False, "no KV-sharing prefill shortcut (layers all run)"),
-    "--otlp-traces-endpoint": (True, "no OpenTelemetry traces are exported"),
-    "--collect-detailed-traces": (True, "no OpenTelemetry traces are exported"),
     "--kv-cache-metrics": (False, "GET /metrics has the KV pool's gauges, no sampled ones"),
     "--kv-cache-metrics-sample": (True, "GET /metrics has the KV pool's gauges, no sampled ones"),
     "--cudagraph-metrics": (False, "no CUDA-graph metrics"),
@@ -100,6 +107,10 @@ IGNORED: dict[str, tuple[bool, str]] = {
     "--kv-events-config": (True, "no KV-cache events are published"),
     "--kernel-config": (True, "layers run paged's own kernels (nothing to choose or tune)"),
     "--enable-flash-late-interaction": (False, "no late-interaction (MaxSim) scoring"),
+    **{
+        flag: (takes_value, ENGINE_IGNORED[flag.lstrip("-").replace("-", "_")])
+        for flag, takes_value in _ENGINE_IGNORED.items()
+    },
 }
 
 # list-valued flags among IGNORED (vLLM's nargs="+")

@@ -144,37 +144,79 @@ def destroy_parallel_state() -> None:
         dist.destroy_process_group()
 
 
-def stage_layers(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
-    """The decoder layers [start, end) of pipeline stage `pp_rank`: contiguous, as even as
-    possible, earlier stages taking the remainder."""
+def stage_sizes(num_layers: int, pp_size: int) -> list[int]:
+    """How many decoder layers each pipeline stage holds (vLLM's default split): an even share,
+    and the remainder one layer each to the stages just before the last (the last stage also
+    runs the final norm and the LM head; with fewer extra layers than middle stages the first
+    stage, which runs the embedding, gets none either). 5 layers over 3 stages: [2, 2, 1];
+    4 over 3: [1, 2, 1]."""
     if num_layers < pp_size:
         raise ValueError(
             f"pipeline_parallel_size={pp_size} exceeds the model's {num_layers} decoder layers"
         )
     base, extra = divmod(num_layers, pp_size)
-    start = pp_rank * base + min(pp_rank, extra)
-    return start, start + base + (1 if pp_rank < extra else 0)
+    return [base + (pp_size - 1 - extra <= r < pp_size - 1) for r in range(pp_size)]
+
+
+def stage_layers(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
+    """The decoder layers [start, end) of pipeline stage `pp_rank`: contiguous, sized by
+    `stage_sizes`."""
+    sizes = stage_sizes(num_layers, pp_size)
+    start = sum(sizes[:pp_rank])
+    return start, start + sizes[pp_rank]
+
+
+def _config_int(hf_config, name: str) -> int | None:
+    """An int field of the config; None when it is missing, not an int, or per-layer only
+    (transformers' heterogeneous configs, Gemma 4's, raise on reading a field that varies
+    by layer)."""
+    try:
+        value = getattr(hf_config, name, None)
+    except RuntimeError:
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _kv_head_counts(hf_config, heads: int) -> set[int]:
+    """The KV head counts of the model's attention layers: each cached layer's where the model
+    declares a per-layer layout (Gemma 4's full layers have their own), else the global one."""
+    from paged_engine.models import kv_cache_layout  # the model registry imports this module
+
+    counts = {_config_int(hf_config, "num_key_value_heads") or heads}
+    try:
+        layout = kv_cache_layout(hf_config)
+    except Exception:  # the model's own checks refuse such a config later, with their message
+        layout = None
+    return {int(h) for h, _ in layout} if layout else counts
 
 
 def check_model_parallelism(hf_config, tp_size: int, pp_size: int) -> None:
     """Fail before any process starts when the model cannot be split this way."""
     # A pure state-space model (Mamba) has no attention heads to split.
-    heads = getattr(hf_config, "num_attention_heads", None) or getattr(hf_config, "n_head", None)
+    heads = _config_int(hf_config, "num_attention_heads") or _config_int(hf_config, "n_head")
     heads = heads or tp_size
-    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     if heads % tp_size:
         raise ValueError(
             f"tensor_parallel_size={tp_size} must divide the model's {heads} attention heads"
         )
-    if kv_heads % tp_size and tp_size % kv_heads:
-        raise ValueError(
-            f"tensor_parallel_size={tp_size} and the model's {kv_heads} KV heads: one must "
-            "divide the other (more ranks than KV heads replicate each KV head)"
-        )
-    # The MLPs' (and MoE experts') hidden widths are split across ranks like the heads.
-    for name in ("intermediate_size", "moe_intermediate_size", "ffn_dim", "n_inner"):
-        width = getattr(hf_config, name, None)
-        if isinstance(width, int) and width % tp_size:
+    for kv_heads in sorted(_kv_head_counts(hf_config, heads)):
+        if kv_heads % tp_size and tp_size % kv_heads:
+            raise ValueError(
+                f"tensor_parallel_size={tp_size} and the model's {kv_heads} KV heads: one must "
+                "divide the other (more ranks than KV heads replicate each KV head)"
+            )
+    # The MLPs' (and MoE experts', shared experts') hidden widths are split across ranks like
+    # the heads.
+    for name in (
+        "intermediate_size",
+        "moe_intermediate_size",
+        "shared_expert_intermediate_size",
+        "shared_intermediate_size",
+        "ffn_dim",
+        "n_inner",
+    ):
+        width = _config_int(hf_config, name)
+        if width is not None and width % tp_size:
             raise ValueError(
                 f"tensor_parallel_size={tp_size} must divide the model's {name}={width}"
             )
@@ -187,24 +229,26 @@ def check_model_parallelism(hf_config, tp_size: int, pp_size: int) -> None:
         "mamba_num_heads",
         "num_heads",  # Mamba2ForCausalLM's SSM heads
     ):
-        count = getattr(hf_config, name, None)
-        if isinstance(count, int) and count % tp_size:
+        count = _config_int(hf_config, name)
+        if count is not None and count % tp_size:
             raise ValueError(
                 f"tensor_parallel_size={tp_size} must divide the model's {name}={count}"
             )
     # Mamba (v1) mixers split their channels (Jamba's: mamba_expand x hidden_size)
-    expand, hidden = getattr(hf_config, "mamba_expand", None), getattr(hf_config, "hidden_size", 0)
-    if isinstance(expand, int) and (expand * hidden) % tp_size:
+    expand, hidden = _config_int(hf_config, "mamba_expand"), _config_int(hf_config, "hidden_size")
+    if expand is not None and (expand * (hidden or 0)) % tp_size:
         raise ValueError(
             f"tensor_parallel_size={tp_size} must divide the model's mamba width "
             f"(mamba_expand x hidden_size = {expand * hidden})"
         )
     for name in ("mamba_n_groups", "n_groups"):
-        count = getattr(hf_config, name, None)
-        if isinstance(count, int) and count > 1 and count % tp_size:
+        count = _config_int(hf_config, name)
+        if count is not None and count > 1 and count % tp_size:
             raise ValueError(
                 f"tensor_parallel_size={tp_size} must divide the model's {name}={count} "
                 "(or the model have a single group, replicated on every rank)"
             )
-    layers = getattr(hf_config, "num_hidden_layers", None) or hf_config.n_layer
-    stage_layers(layers, 0, pp_size)  # raises when there are more stages than layers
+    names = ("num_hidden_layers", "n_layer", "n_layers", "num_layers")
+    layers = next((n for n in (_config_int(hf_config, k) for k in names) if n), None)
+    if layers is not None:  # otherwise the model's own stage split refuses too many stages
+        stage_sizes(layers, pp_size)  # raises when there are more stages than layers

@@ -243,13 +243,14 @@ class LLMEngine:
             config.max_model_len,
         )
         self.executor: Executor
+        if world_size > 1:  # on every torchrun rank too: each names the shape it refuses
+            check_model_parallelism(
+                self.hf_config, config.tensor_parallel_size, config.pipeline_parallel_size
+            )
         if is_worker_rank(world_size):  # torchrun rank > 0: serve rank 0's engine, then leave
             run_torchrun_worker(config, self.resolved, self.hf_config)
             raise SystemExit(0)
         if world_size > 1:
-            check_model_parallelism(
-                self.hf_config, config.tensor_parallel_size, config.pipeline_parallel_size
-            )
             self.executor = MultiprocExecutor(config, self.resolved, self.hf_config)
         else:
             self.executor = UniprocExecutor(

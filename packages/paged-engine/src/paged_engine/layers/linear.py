@@ -42,7 +42,10 @@ def weight_device() -> str | None:
 
 def _divide(n: int, d: int, what: str) -> int:
     if n % d != 0:
-        raise ValueError(f"{what}={n} is not divisible by tp_size={d}")
+        raise ValueError(
+            f"tensor_parallel_size={d} must divide this layer's {what}={n} (the model cannot be "
+            "split over that many ranks)"
+        )
     return n // d
 
 
@@ -205,10 +208,16 @@ class QKVParallelLinear(ColumnParallelLinear):
         num_kv_heads = num_kv_heads or num_heads
         self.head_dim = head_dim
         self.num_heads = _divide(num_heads, tp_size, "num_heads")
-        if tp_size >= num_kv_heads:
-            self.num_kv_heads, self.kv_replicas = 1, _divide(tp_size, num_kv_heads, "kv replicas")
+        if tp_size >= num_kv_heads:  # each KV head held by tp_size / num_kv_heads ranks
+            if tp_size % num_kv_heads:
+                raise ValueError(
+                    f"tensor_parallel_size={tp_size} must be a multiple of the model's "
+                    f"num_key_value_heads={num_kv_heads} when it exceeds it (KV heads replicate)"
+                )
+            self.num_kv_heads, self.kv_replicas = 1, tp_size // num_kv_heads
         else:
-            self.num_kv_heads, self.kv_replicas = _divide(num_kv_heads, tp_size, "kv heads"), 1
+            self.num_kv_heads = _divide(num_kv_heads, tp_size, "num_key_value_heads")
+            self.kv_replicas = 1
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size
         super().__init__(hidden_size, out, bias, tp_rank, tp_size)
 

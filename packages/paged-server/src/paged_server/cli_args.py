@@ -69,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--api-key",
         nargs="+",
+        action=_OneApiKey,
         default=None,
         help="require 'Authorization: Bearer KEY' on /v1/* (default: VLLM_API_KEY, as vLLM; "
         "one key)",
@@ -782,10 +783,8 @@ def parse_args(
         args.compilation_config = args.optimization_level
     if args.language_model_only:
         args.limit_mm_per_prompt = dict.fromkeys(_MODALITIES, 0)
-    keys = args.api_key or [os.environ.get("VLLM_API_KEY", "")]
-    if len(keys) > 1:
-        parser.error("argument --api-key: one key only (vLLM takes several)")
-    args.api_key = keys[0] or None
+    if args.api_key is None:  # vLLM's default
+        args.api_key = os.environ.get("VLLM_API_KEY") or None
     _parser_plugins(args, parser)
     if args.disable_mm_preprocessor_cache:
         args.mm_processor_cache_gb = 0.0
@@ -922,6 +921,15 @@ def _json_object(text: str) -> dict:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError("expected a JSON object")
     return value
+
+
+class _OneApiKey(argparse.Action):
+    """vLLM's `--api-key KEY [KEY ...]` form, one key: stored as a string."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        if len(values) > 1:
+            parser.error("argument --api-key: one key only (vLLM takes several)")
+        setattr(namespace, self.dest, values[0] or None)
 
 
 def _max_model_len(text: str) -> int | None:

@@ -7,6 +7,7 @@ unloads the extra ones (past max_cpu_loras) once their requests are gone."""
 from __future__ import annotations
 
 import asyncio
+import shutil
 import threading
 
 import pytest
@@ -219,5 +220,34 @@ def test_the_cache_shrinks_back_to_max_cpu_loras(setup):
         assert engine.list_loras() == {1, 3, 4}
         engine.abort_request(["b0", "b1", "b2"])
         assert engine.list_loras() == {4, 1}  # 3 was the least recently used
+    finally:
+        engine.shutdown()
+
+
+def test_remove_lora_drops_a_read_no_request_installed(setup, tmp_path):
+    """A read ahead whose request never reached the engine (cancelled, refused) waited in the
+    loader; `remove_lora` of that id (not loaded: False) left it there, so after the adapter's
+    files were rewritten in place, the id's next load installed the old weights."""
+    model, paths = setup
+    path = tmp_path / "rewritten"
+    shutil.copytree(paths[0], path)
+    llm = LLM(str(model), **OPTS)
+    engine = llm.llm_engine
+
+    def tokens(lora: LoRARequest) -> list[int]:
+        out = llm.generate([PROMPT], GREEDY, lora_request=lora, use_tqdm=False)
+        return list(out[0].outputs[0].token_ids)
+
+    try:
+        lora = LoRARequest("x", 1, str(path))
+        assert engine.prefetch_lora(lora).result(WAIT_S) is not None  # read, never installed
+        assert not engine.remove_lora(1)  # not loaded
+        assert engine.model_runner.lora.loader.pending() == 0
+        shutil.rmtree(path)
+        shutil.copytree(paths[1], path)  # new weights at the same path
+        got = tokens(lora)
+        assert engine.remove_lora(1)
+        assert got == tokens(LoRARequest("new", 2, paths[1]))
+        assert got != tokens(LoRARequest("old", 3, paths[0]))  # else the test proves nothing
     finally:
         engine.shutdown()

@@ -96,7 +96,11 @@ class LoRARegistry:
         logger.info("LoRA adapter %r (id %d) unloaded", lora.lora_name, lora_id)
 
     def remove(self, lora_id: int) -> bool:
-        """Unload an adapter; False when it is not loaded or unfinished requests use it."""
+        """Unload an adapter; False when it is not loaded or unfinished requests use it. Reads
+        ahead of `lora_id` are dropped either way (a request that read it and never reached
+        the engine leaves one): after a remove, the next load of the id reads its files."""
+        if self.loader is not None:
+            self.loader.discard(lora_id)
         if lora_id not in self.loaded or lora_id in self.in_use():
             return False
         self._unload(lora_id)

@@ -42,7 +42,7 @@ from paged_server.anthropic_request import (
     tool_input,
 )
 from paged_server.chat_output import ChatDeltas, split_output, tool_output
-from paged_server.errors import APIError, bad_request
+from paged_server.errors import APIError, bad_request, query_int
 from paged_server.reasoning import ReasoningRequest
 
 if TYPE_CHECKING:
@@ -350,14 +350,7 @@ def anthropic_model_list(h: Handler, cards: list[dict[str, Any]]) -> dict[str, A
     """Anthropic's model list page: `limit` (1-1000, default 20) after `after_id` or before
     `before_id`."""
     query = parse_qs(urlsplit(h.path).query)
-    raw_limit = query.get("limit", ["20"])[-1]
-    # ASCII digits, not too many: int() refuses '²' (a digit to isdigit) and 5000 digits
-    if not (raw_limit.isascii() and raw_limit.isdigit() and len(raw_limit) <= 18) or not (
-        1 <= int(raw_limit) <= 1000
-    ):
-        msg = f"limit must be an integer from 1 to 1000, got {raw_limit[:50]!r}"
-        raise bad_request(msg, "limit")
-    limit = int(raw_limit)
+    limit = query_int(query, "limit", 20, 1, 1000, "an integer from 1 to 1000")
     models = [anthropic_model(c) for c in cards]
     ids = [m["id"] for m in models]
     for key in ("after_id", "before_id"):

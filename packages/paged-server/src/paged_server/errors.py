@@ -48,6 +48,22 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 
 
+def query_int(
+    query: Mapping[str, list[str]], name: str, default: int | None, lo: int, hi: int, what: str
+) -> int | None:
+    """The last `name` of a parsed query string (`parse_qs`) as an int from `lo` to `hi`,
+    `default` when it is absent; else a 400 naming it ("{name} must be {what}, got ...").
+    ASCII digits only, at most 18 (str.isdigit takes '²', which int() refuses, and int()
+    refuses thousands of digits)."""
+    values = query.get(name)
+    if not values:
+        return default
+    raw = values[-1]
+    if not (raw.isascii() and raw.isdigit() and len(raw) <= 18 and lo <= int(raw) <= hi):
+        raise bad_request(f"{name} must be {what}, got {raw[:50]!r}", name)
+    return int(raw)
+
+
 @contextmanager
 def renamed_params(renamed: Mapping[str, str], messages: str) -> Iterator[None]:
     """Errors of the chat path, in the terms of an API built on it: a parameter of `renamed`

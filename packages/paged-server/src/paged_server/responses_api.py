@@ -30,7 +30,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from paged_server import response_background
 from paged_server.chat_output import ChatDeltas, span_logprobs, split_output, tool_output
-from paged_server.errors import APIError
+from paged_server.errors import APIError, query_int
 from paged_server.openai_protocol import GenerationRequest
 from paged_server.openai_responses import chat_logprobs, token_id_text
 from paged_server.reasoning import ReasoningRequest
@@ -518,13 +518,7 @@ def serve_input_items(app: OpenAIApp, h: Handler, rid: str) -> None:
     order = query.get("order", ["desc"])[-1]
     if order not in ("asc", "desc"):
         raise APIError(400, f"order must be 'asc' or 'desc', got {order!r}", "order")
-    raw_limit = query.get("limit", ["20"])[-1]
-    # ASCII digits, not too many: int() refuses '²' (a digit to isdigit) and 5000 digits
-    if not (raw_limit.isascii() and raw_limit.isdigit() and len(raw_limit) <= 18) or not (
-        1 <= int(raw_limit) <= 100
-    ):
-        msg = f"limit must be an integer from 1 to 100, got {raw_limit[:50]!r}"
-        raise APIError(400, msg, "limit")
+    limit = query_int(query, "limit", 20, 1, 100, "an integer from 1 to 100")
     items = stored.input_items if order == "asc" else stored.input_items[::-1]
     after = query.get("after", [None])[-1]
     if after is not None:
@@ -532,7 +526,7 @@ def serve_input_items(app: OpenAIApp, h: Handler, rid: str) -> None:
         if after not in ids:
             raise APIError(400, f"no input item {after!r} in response {rid!r}", "after")
         items = items[ids.index(after) + 1 :]
-    page = items[: int(raw_limit)]
+    page = items[:limit]
     h.send_json(
         200,
         {

@@ -535,9 +535,7 @@ class Handler(BaseHTTPRequestHandler):
         _read_exact (readline alone would wait io_timeout per byte of a trickled line)."""
         line = bytearray()
         while True:
-            if time.monotonic() > deadline:
-                self.close_connection = True
-                raise APIError(408, "timed out reading the request body")
+            self._check_body_deadline(deadline)
             buffered = self.rfile.peek(1)  # the bytes buffered, else one receive's
             if not buffered:
                 raise ConnectionResetError("client closed the connection mid-body")
@@ -549,13 +547,17 @@ class Handler(BaseHTTPRequestHandler):
             if end:
                 return bytes(line)
 
+    def _check_body_deadline(self, deadline: float) -> None:
+        """A 408 (closing the connection) once the body's `deadline` has passed."""
+        if time.monotonic() > deadline:
+            self.close_connection = True
+            raise APIError(408, "timed out reading the request body")
+
     def _read_exact(self, n: int, deadline: float) -> bytes:
         """Read n bytes by `deadline` (a trickling client cannot hold us)."""
         data = bytearray()  # one buffer: a trickled body arrives in many small receives
         while len(data) < n:
-            if time.monotonic() > deadline:
-                self.close_connection = True
-                raise APIError(408, "timed out reading the request body")
+            self._check_body_deadline(deadline)
             chunk = self.rfile.read1(min(n - len(data), 1 << 16))
             if not chunk:
                 self.close_connection = True

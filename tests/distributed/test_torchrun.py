@@ -4,19 +4,12 @@ MASTER_ADDR:MASTER_PORT) serve one tensor-parallel engine with the single-proces
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-from torchrun_generate import PROMPTS
+from torchrun_generate import PROMPTS, run_two_nodes
 
 from paged_engine import LLM, SamplingParams
-from paged_engine.distributed.launch import free_port
 from paged_engine.testing import write_tiny_model
-
-SCRIPT = Path(__file__).with_name("torchrun_generate.py")
 
 
 @pytest.fixture(scope="module")
@@ -38,44 +31,6 @@ def test_two_torchrun_nodes_give_the_single_process_tokens(
     tmp_path, model, single_process_tokens, tp, pp
 ):
     out = tmp_path / "tokens.json"
-    port = free_port()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    nodes = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nnodes",
-                "2",
-                "--nproc-per-node",
-                "1",
-                "--node-rank",
-                str(rank),
-                "--master-addr",
-                "127.0.0.1",
-                "--master-port",
-                str(port),
-                str(SCRIPT),
-                model,
-                str(out),
-                str(tp),
-                str(pp),
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-        )
-        for rank in (0, 1)
-    ]
-    logs = []
-    for node in nodes:
-        try:
-            logs.append(node.communicate(timeout=240)[0])
-        except subprocess.TimeoutExpired:
-            for n in nodes:
-                n.kill()
-            raise
-    assert [n.returncode for n in nodes] == [0, 0], "\n---\n".join(logs)
+    codes, logs = run_two_nodes(model, str(out), tp, pp, timeout=240)
+    assert codes == [0, 0], "\n---\n".join(logs)
     assert json.loads(out.read_text()) == single_process_tokens

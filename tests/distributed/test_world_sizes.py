@@ -6,16 +6,12 @@ single-process engine's outputs."""
 from __future__ import annotations
 
 import itertools
-import os
 import random
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from torchrun_generate import run_two_nodes
 
 from paged_engine import LLM, SamplingParams
-from paged_engine.distributed.launch import free_port
 from paged_engine.distributed.parallel_state import (
     check_model_parallelism,
     stage_layers,
@@ -157,29 +153,7 @@ def test_every_torchrun_node_names_the_shape_it_refuses(tmp_path):
         num_key_value_heads=3,
         intermediate_size=96,
     )
-    script = Path(__file__).with_name("torchrun_generate.py")
-    port = str(free_port())
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    nodes = [
-        subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2"]
-            + ["--nproc-per-node", "1", "--node-rank", str(rank), "--master-addr", "127.0.0.1"]
-            + ["--master-port", port, str(script), str(model), str(tmp_path / "out.json")]
-            + ["2", "1"],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-        )
-        for rank in (0, 1)
-    ]
-    logs = []
-    try:
-        for node in nodes:
-            logs.append(node.communicate(timeout=180)[0])
-    finally:
-        for node in nodes:
-            node.kill()
-    assert [n.returncode for n in nodes] == [1, 1]
+    codes, logs = run_two_nodes(str(model), str(tmp_path / "out.json"), 2, 1, timeout=180)
+    assert codes == [1, 1]
     for log in logs:
         assert "ValueError: tensor_parallel_size=2 and the model's 3 KV heads" in log, log

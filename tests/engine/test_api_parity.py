@@ -320,3 +320,176 @@ def test_pooling_outputs_count_cached_tokens(llm):
     other = {"prompt_token_ids": [*ids[:-1], 7]}
     score = llm.score({"prompt_token_ids": ids}, other, use_tqdm=False)[0]
     assert score.num_cached_tokens == 64  # both texts' (vLLM adds them up)
+
+
+def test_supported_tasks(llm, model_dir):
+    # vllm/tasks.py names; a decoder under runner="auto" generates and embeds (paged's "both")
+    want = ("generate", "embed", "token_embed")
+    assert llm.supported_tasks == want
+    assert llm.llm_engine.get_supported_tasks() == want
+    for runner, tasks in (("generate", ("generate",)), ("pooling", ("embed", "token_embed"))):
+        other = LLM(
+            str(model_dir),
+            runner=runner,
+            dtype="float32",
+            max_model_len=64,
+            num_gpu_blocks_override=64,
+        )
+        try:
+            assert other.supported_tasks == tasks
+        finally:
+            other.llm_engine.shutdown()
+
+
+def test_truncation_side(llm, model_dir):
+    """vLLM's tokenizer truncation_side: "left" (keep the last k) where the engine generates,
+    "right" (keep the first k) on a pooling runner; tokenization_kwargs' truncation_side
+    overrides it per call."""
+    full = ids_of(llm, TEXT)
+    assert llm.get_tokenizer().truncation_side == "left"
+    right = {"truncation_side": "right", "truncate_prompt_tokens": 3}
+    out = llm.generate(TEXT, GREEDY, use_tqdm=False, tokenization_kwargs=right)[0]
+    assert out.prompt_token_ids == full[:3]
+    ids = llm.generate(
+        {"prompt_token_ids": full}, GREEDY, use_tqdm=False, tokenization_kwargs=right
+    )
+    assert ids[0].prompt_token_ids == full[:3]
+    assert (
+        llm.embed(TEXT, use_tqdm=False, truncate_prompt_tokens=3)[0].prompt_token_ids == full[-3:]
+    )
+    with pytest.raises(ValueError, match="truncation_side"):
+        llm.generate(TEXT, GREEDY, use_tqdm=False, tokenization_kwargs={"truncation_side": "up"})
+
+    pool = LLM(
+        str(model_dir),
+        runner="pooling",
+        dtype="float32",
+        max_model_len=64,
+        num_gpu_blocks_override=64,
+    )
+    try:
+        assert pool.get_tokenizer().truncation_side == "right"
+        cut = pool.embed(TEXT, use_tqdm=False, truncate_prompt_tokens=3)[0]
+        assert cut.prompt_token_ids == full[:3]
+        whole = pool.embed({"prompt_token_ids": full[:3]}, use_tqdm=False)[0]
+        assert cut.outputs.embedding == pytest.approx(whole.outputs.embedding, abs=1e-5)
+        left = pool.embed(
+            TEXT,
+            use_tqdm=False,
+            tokenization_kwargs={"truncation_side": "left", "truncate_prompt_tokens": 3},
+        )
+        assert left[0].prompt_token_ids == full[-3:]
+        most = pool.encode(
+            TEXT * 9, pooling_task="embed", truncate_prompt_tokens=-1, use_tqdm=False
+        )
+        assert most[0].prompt_token_ids == ids_of(pool, TEXT * 9)[:64]  # -1: max_model_len
+    finally:
+        pool.llm_engine.shutdown()
+
+
+def test_reset_prefix_cache_connector(llm, model_dir, tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="paged_engine.engine.llm_engine"):
+        assert llm.reset_prefix_cache(reset_connector=True) is False  # no connector
+    assert "no KV connector" in caplog.text
+    with pytest.raises(ValueError, match="reset_connector"):
+        llm.reset_prefix_cache(reset_connector=1)
+    kv = {
+        "kv_connector": "ExampleConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"shared_storage_path": str(tmp_path)},
+    }
+    both = LLM(
+        str(model_dir),
+        dtype="float32",
+        max_model_len=64,
+        num_gpu_blocks_override=64,
+        kv_transfer_config=kv,
+    )
+    prompt = {"prompt_token_ids": list(range(100, 140))}  # two full 16-token blocks stored
+
+    def cached() -> int:
+        return both.generate(prompt, GREEDY, use_tqdm=False)[0].num_cached_tokens
+
+    try:
+        want = both.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        assert both.reset_prefix_cache() is True
+        assert cached() == 32  # loaded from the connector's storage
+        assert both.reset_prefix_cache(reset_connector=True) is True
+        out = both.generate(prompt, GREEDY, use_tqdm=False)[0]
+        assert out.num_cached_tokens == 0  # the stored blocks are not loaded again
+        assert out.outputs[0].token_ids == want
+        assert both.reset_prefix_cache() is True
+        assert cached() == 32  # stored anew, under the new keys
+    finally:
+        both.llm_engine.shutdown()
+
+
+def test_method_signatures_match_vllm():
+    import inspect
+
+    def names(fn) -> list[str]:
+        return [p for p in inspect.signature(fn).parameters if p != "self"]
+
+    assert names(LLM.sleep)[:2] == ["level", "mode"]  # vLLM's order: sleep(1, "abort")
+    assert names(LLM.reset_prefix_cache) == ["reset_running_requests", "reset_connector"]
+    assert names(LLM.start_profile) == ["profile_prefix"]
+
+
+def test_profile_prefix(tmp_path, llm):
+    from paged_engine.worker.profiler import WorkerProfiler
+
+    prof = WorkerProfiler(str(tmp_path), 0, torch.device("cpu"))
+    prof.start("run7")
+    assert Path(prof.stop()).name == "run7_tp0-1.pt.trace.json.gz"
+    prof.start()
+    assert Path(prof.stop()).name.startswith("rank0.")
+    with pytest.raises(ValueError, match="profile_prefix"):
+        llm.start_profile("a/b")
+
+
+def test_pooling_task_is_not_overwritten(llm):
+    from paged_engine import PoolingParams
+
+    with pytest.raises(ValueError, match="pooling_task"):
+        llm.embed(TEXT, PoolingParams(task="token_embed"), use_tqdm=False)
+    with pytest.raises(ValueError, match="pooling_task"):
+        llm.encode(TEXT, PoolingParams(task="embed"), pooling_task="token_embed", use_tqdm=False)
+    out = llm.encode(TEXT, PoolingParams(task="embed"), pooling_task="embed", use_tqdm=False)
+    assert out[0].outputs.data.dim() == 1
+
+
+def test_sampling_params_newer_vllm_fields():
+    p = SamplingParams(stop=["abc", "x"], logprobs=True, prompt_logprobs=True)
+    assert (p.logprobs, p.prompt_logprobs) == (1, 1)  # vLLM reads True as 1
+    assert p.output_text_buffer_length == 2
+    assert (
+        SamplingParams(stop=["abc"], include_stop_str_in_output=True).output_text_buffer_length == 0
+    )
+    defaults = SamplingParams(
+        prompt_logprob_token_ids=None,
+        prompt_logprob_start=None,
+        routed_experts_prompt_start=0,
+        trace_decode_token_ids=None,
+    )
+    assert defaults.output_text_buffer_length == 0
+    for name, value in (
+        ("prompt_logprob_token_ids", [3]),
+        ("prompt_logprob_start", 1),
+        ("routed_experts_prompt_start", 4),
+        ("trace_decode_token_ids", [5, 6]),
+    ):
+        with pytest.raises(ValueError, match=name):
+            SamplingParams(**{name: value})
+
+
+def test_lora_request_newer_vllm_fields():
+    from paged_engine.lora.request import LoRARequest
+
+    r = LoRARequest("a", 1, "/adapters/a", base_model_name="base", is_3d_lora_weight=True)
+    assert (r.base_model_name, r.tensorizer_config_dict, r.load_inplace) == ("base", None, False)
+    assert r == LoRARequest("a", 1, "/adapters/a")
+    for name, value in (("tensorizer_config_dict", {"uri": "s3://x"}), ("load_inplace", True)):
+        with pytest.raises(ValueError, match=name):
+            LoRARequest("a", 1, "/adapters/a", **{name: value})
+    with pytest.raises(ValueError, match="is_3d_lora_weight"):
+        LoRARequest("a", 1, "/adapters/a", is_3d_lora_weight="yes")

@@ -66,11 +66,11 @@ def test_encoder_embeds_a_prompt_of_max_model_len(tmp_path, arch, limit) -> None
     assert_embeds(out, hf_encoder_cls(path, arch, full))
     with pytest.raises(ValueError, match=f"{limit + 1} tokens, but max_model_len is {limit}$"):
         llm.embed([encoder_prompt(limit + 1)], use_tqdm=False)
-    # -1: the last max_model_len tokens (not one fewer)
+    # -1: the first max_model_len tokens (not one fewer; a pooling runner keeps the start)
     long = encoder_prompt(limit + 9)
     (cut,) = llm.embed([long], PoolingParams(truncate_prompt_tokens=-1), use_tqdm=False)
-    assert cut.prompt_token_ids == long[-limit:]
-    assert_embeds(cut, hf_encoder_cls(path, arch, long[-limit:]))
+    assert cut.prompt_token_ids == long[:limit]
+    assert_embeds(cut, hf_encoder_cls(path, arch, long[:limit]))
     assert len(llm.embed([encoder_prompt(12)], use_tqdm=False)) == 1  # still serving
 
 

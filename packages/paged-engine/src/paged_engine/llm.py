@@ -40,7 +40,12 @@ from paged_engine.offline_args import (
     tokenization_options,
 )
 from paged_engine.outputs import RequestOutput
-from paged_engine.pooling import EmbeddingRequestOutput, PoolingParams, PoolingRequestOutput
+from paged_engine.pooling import (
+    EmbeddingRequestOutput,
+    PoolingParams,
+    PoolingRequestOutput,
+    truncated,
+)
 from paged_engine.sampling_params import BeamSearchParams, SamplingParams
 from paged_engine.scoring import (
     ScoringRequestOutput,
@@ -60,6 +65,8 @@ class LLM:
         self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
         self._counter = itertools.count()
         self._latency = RequestLatency()  # the requests this LLM's calls ran (get_metrics)
+        # vLLM's: what the model serves, e.g. ("generate",) or ("embed", "token_embed")
+        self.supported_tasks: tuple[str, ...] = self.llm_engine.get_supported_tasks()
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
@@ -92,6 +99,7 @@ class LLM:
         adapter for every prompt, or one (or None) per prompt (needs enable_lora=True).
         `priority`: one int per prompt, lower first (needs scheduling_policy="priority").
         `tokenization_kwargs`: vLLM's (`_tokenize_as`)."""
+        opts = tokenization_options(tokenization_kwargs)
         prompt_list = _as_prompt_list(prompts)
         if priority is not None and (
             not isinstance(priority, (list, tuple)) or len(priority) != len(prompt_list)
@@ -107,9 +115,8 @@ class LLM:
             (SamplingParams, BeamSearchParams),
             self.get_default_sampling_params() if sampling_params is None else None,
         )
-        prompt_list, params_list = self._tokenize_as(
-            tokenization_options(tokenization_kwargs), prompt_list, params_list
-        )
+        prompt_list, params_list = self._tokenize_as(opts, prompt_list, params_list)
+        prompt_list, params_list = self._cut_on_side(opts, prompt_list, params_list)
         loras = _per_prompt_loras(lora_request, len(prompt_list))
         return self._run(list(zip(prompt_list, params_list)), use_tqdm, loras, priority)
 
@@ -360,18 +367,18 @@ class LLM:
             pooling_params = _with_task(
                 pooling_params if pooling_params is not None else PoolingParams(), pooling_task
             )
+        opts = tokenization_options(tokenization_kwargs)
         prompt_list = _as_prompt_list(prompts)
         params_list = per_prompt(
             pooling_params, len(prompt_list), "pooling_params", (PoolingParams,), PoolingParams()
         )
-        prompt_list, params_list = self._tokenize_as(
-            tokenization_options(tokenization_kwargs), prompt_list, params_list
-        )
+        prompt_list, params_list = self._tokenize_as(opts, prompt_list, params_list)
         if truncate_prompt_tokens is not None:  # over each params' own (validated there)
             params_list = [
                 dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens)
                 for p in params_list
             ]
+        prompt_list, params_list = self._cut_on_side(opts, prompt_list, params_list)
         loras = _per_prompt_loras(lora_request, len(prompt_list))
         return self._run(list(zip(prompt_list, params_list)), use_tqdm, loras)
 
@@ -452,14 +459,20 @@ class LLM:
         module-level function)."""
         return self.collective_rpc(_apply_to_model, args=(func,))
 
-    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+    def reset_prefix_cache(
+        self, reset_running_requests: bool = False, reset_connector: bool = False
+    ) -> bool:
         """Forget the prefix cache (after a weight update); False while requests run, unless
-        `reset_running_requests` (vLLM's): those are preempted and recomputed."""
-        if not isinstance(reset_running_requests, bool):
-            raise ValueError(
-                f"reset_running_requests must be a bool, got {reset_running_requests!r:.200}"
-            )
-        return self.llm_engine.reset_prefix_cache(reset_running_requests)
+        `reset_running_requests` (vLLM's): those are preempted and recomputed.
+        `reset_connector` (vLLM's): the KV connector's stored blocks are not loaded again
+        (False, with a warning, when no kv_transfer_config set one up)."""
+        for name, value in (
+            ("reset_running_requests", reset_running_requests),
+            ("reset_connector", reset_connector),
+        ):
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be a bool, got {value!r:.200}")
+        return self.llm_engine.reset_prefix_cache(reset_running_requests, reset_connector)
 
     def reset_mm_cache(self) -> None:
         """vLLM's: empty the multimodal processor cache (mm_processor_cache_gb), so images are
@@ -475,11 +488,12 @@ class LLM:
         config = self.llm_engine.config
         return config.tensor_parallel_size * config.pipeline_parallel_size
 
-    def sleep(self, level: int = 1, tags: list[str] | None = None, mode: str = "abort") -> None:
-        """vLLM's sleep mode (needs enable_sleep_mode=True): level 1 moves the weights to host
-        memory and discards the KV cache; level 2 discards both (then reload_weights or
-        update_weights through collective_rpc); `tags` ("weights", "kv_cache") name what
-        sleeps instead. Generating raises until wake_up()."""
+    def sleep(self, level: int = 1, mode: str = "abort", *, tags: list[str] | None = None) -> None:
+        """vLLM's sleep mode (needs enable_sleep_mode=True; vLLM's arguments in vLLM's order):
+        level 1 moves the weights to host memory and discards the KV cache; level 2 discards
+        both (then reload_weights or update_weights through collective_rpc); `tags`
+        ("weights", "kv_cache"; paged's) name what sleeps instead. Generating raises until
+        wake_up()."""
         self.llm_engine.sleep(level, tags, mode)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
@@ -490,10 +504,11 @@ class LLM:
     def is_sleeping(self) -> bool:
         return self.llm_engine.is_sleeping()
 
-    def start_profile(self) -> None:
+    def start_profile(self, profile_prefix: str | None = None) -> None:
         """Start torch.profiler on every rank (needs PAGED_TORCH_PROFILER_DIR or
-        VLLM_TORCH_PROFILER_DIR set before the engine starts; docs/engine.md "Profiling")."""
-        self.llm_engine.start_profile()
+        VLLM_TORCH_PROFILER_DIR set before the engine starts; docs/engine.md "Profiling").
+        `profile_prefix` (vLLM's): the trace files are named `<prefix>_tp<rank>...`."""
+        self.llm_engine.start_profile(profile_prefix)
 
     def stop_profile(self) -> list[str]:
         """Stop it; returns the trace files written (one per rank, gzipped Chrome traces)."""
@@ -508,6 +523,48 @@ class LLM:
         histograms and finished-request counts cover the requests this LLM's calls ran."""
         stats = self.llm_engine.get_stats()
         return metrics_snapshot(stats, self._latency, str(self.llm_engine.config.model))
+
+    def _cut_on_side(
+        self, opts: TokenizationOptions, prompts: list[PromptType], params: list[Any]
+    ) -> tuple[list[PromptType], list[Any]]:
+        """tokenization_kwargs' truncation_side where it is not the tokenizer's (which the
+        engine cuts on): each prompt whose params truncate is encoded and cut here, on
+        `opts.side`, and its params then cut nothing (vLLM's TokenizeParams rule)."""
+        tok = self.llm_engine.tokenizer
+        if opts.side is None or opts.side == getattr(tok, "truncation_side", "left"):
+            return prompts, params
+        max_len = self.llm_engine.config.max_model_len
+        assert max_len is not None
+        ip = self.llm_engine.input_processor
+        other = ("multi_modal_data", "prompt_embeds", "encoder_prompt", "decoder_prompt")
+        out_prompts, out_params = [], []
+        for prompt, p in zip(prompts, params, strict=True):
+            keep = getattr(p, "truncate_prompt_tokens", None)
+            if keep is not None:
+                if (
+                    (isinstance(prompt, dict) and any(k in prompt for k in other))
+                    or ip.encoder_prompts is not None
+                    or ip.audios is not None
+                ):
+                    raise ValueError(
+                        "tokenization_kwargs['truncation_side'] applies to the text and "
+                        "token-id prompts of a decoder-only text model only"
+                    )
+                encoded = self._encode_as(prompt, dataclasses.replace(opts, keep=keep))
+                ids = encoded if isinstance(encoded, (list, tuple)) else None
+                if isinstance(encoded, dict):
+                    ids = encoded.get("prompt_token_ids")
+                if isinstance(ids, (list, tuple)):
+                    generate = isinstance(p, SamplingParams)
+                    cut = truncated(list(ids), keep, max_len, generate=generate, side=opts.side)
+                    base = encoded if isinstance(encoded, dict) else {}
+                    prompt = {k: v for k, v in base.items() if k != "prompt"}
+                    prompt["prompt_token_ids"] = cut
+                    p = dataclasses.replace(p, truncate_prompt_tokens=None)
+                # (no ids: an empty or non-text prompt, which the engine refuses by name)
+            out_prompts.append(prompt)
+            out_params.append(p)
+        return out_prompts, out_params
 
     def _tokenize_as(
         self, opts: TokenizationOptions, prompts: list[PromptType], params: list[Any]
@@ -652,16 +709,26 @@ def _check_max_length(num_tokens: int, max_length: int | None) -> None:
 
 
 def _with_task(params: PoolingParams | Sequence[PoolingParams], task: str) -> Any:
-    """`params` (one, or one per prompt) set to run `task`."""
+    """`params` (one, or one per prompt) set to run `task`; ValueError naming pooling_task
+    when one already names another task (vLLM's rule)."""
     if isinstance(params, PoolingParams):
-        return dataclasses.replace(params, task=task)
+        params = [params]
+        one = True
+    else:
+        one = False
     if not isinstance(params, (list, tuple)) or not all(
         isinstance(p, PoolingParams) for p in params
     ):
         raise ValueError(
             f"pooling_params must be a PoolingParams or a list of them, got {params!r}"
         )
-    return [dataclasses.replace(p, task=task) for p in params]
+    for p in params:
+        if p.task is not None and p.task != task:
+            raise ValueError(
+                f"pooling_task={task!r} cannot overwrite pooling_params' task={p.task!r}"
+            )
+    out = [dataclasses.replace(p, task=task) for p in params]
+    return out[0] if one else out
 
 
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

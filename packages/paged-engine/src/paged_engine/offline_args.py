@@ -87,16 +87,19 @@ def _check_conversation(conv: list | tuple, where: str) -> None:
 class TokenizationOptions:
     """vLLM's `tokenization_kwargs`, read as its renderer reads them.
 
-    keep: truncate_prompt_tokens (the prompt's last k tokens; -1: as many as fit), from
+    keep: truncate_prompt_tokens (k of the prompt's tokens; -1: as many as fit), from
         `truncate_prompt_tokens` or from `truncation=True` with `max_length` (None: no cut).
     max_length: without truncation, the most tokens a prompt may hold (longer: ValueError).
     add_special_tokens / do_lower_case: how a text prompt is encoded (None: the model's way).
+    side: truncation_side, which end a cut keeps: "left" cuts the start (keeps the last k),
+        "right" the end (None: the tokenizer's: "right" on a pooling-only engine, else "left").
     """
 
     keep: int | None = None
     max_length: int | None = None
     add_special_tokens: bool | None = None
     do_lower_case: bool | None = None
+    side: str | None = None
 
     @property
     def encodes(self) -> bool:
@@ -126,6 +129,12 @@ def tokenization_options(kwargs: Any) -> TokenizationOptions:
     special = _optional_bool(rest.pop("add_special_tokens", None), "add_special_tokens")
     lower = _optional_bool(rest.pop("do_lower_case", None), "do_lower_case")
     rest.pop("needs_detokenization", None)  # outputs follow SamplingParams.detokenize
+    side = rest.pop("truncation_side", None)
+    if side not in (None, "left", "right"):
+        raise ValueError(
+            f"tokenization_kwargs['truncation_side'] must be 'left', 'right' or None, got "
+            f"{side!r:.200}"
+        )
     truncation = rest.pop("truncation", None)
     if truncation in (True, "longest_first"):  # HF's: cut to max_length (none: what fits)
         keep = -1 if max_length is None else max_length
@@ -143,7 +152,7 @@ def tokenization_options(kwargs: Any) -> TokenizationOptions:
             )
     if rest:
         logger.warning("tokenization_kwargs %s are not supported and are ignored", sorted(rest))
-    return TokenizationOptions(keep, max_length, special, lower)
+    return TokenizationOptions(keep, max_length, special, lower, side)
 
 
 def _optional_int(value: Any, key: str, minimum: int | None = None) -> int | None:

@@ -49,8 +49,10 @@ class PoolingParams:
     config says it was trained for it (`is_matryoshka`, or `matryoshka_dimensions` listing the
     sizes allowed), else only the hidden size itself; `normalize=None` takes the engine's
     `pooler_config` (normalized by default, as vLLM does for embedding models);
-    `truncate_prompt_tokens=k` pools only the prompt's last k tokens (-1: max_model_len of
-    them: a pooling prompt may fill the context, its one token is never run). For a
+    `truncate_prompt_tokens=k` pools only k of the prompt's tokens, cut on the tokenizer's
+    truncation_side (vLLM's: the first k on a pooling-only engine, the last k where it also
+    generates) (-1: max_model_len of them: a pooling prompt may fill the context, its one token
+    is never run). For a
     classifier: `use_activation=False` returns the head's raw logits instead of probabilities
     (None: on). `task` is set by the `LLM` method that runs it
     (None: the model's own, "classify" for a classifier, else "embed")."""
@@ -101,17 +103,26 @@ def check_truncation(keep: int, max_model_len: int) -> None:
 
 
 def truncated(
-    token_ids: list[int], keep: int | None, max_model_len: int, *, generate: bool = False
+    token_ids: list[int],
+    keep: int | None,
+    max_model_len: int,
+    *,
+    generate: bool = False,
+    side: str = "left",
 ) -> list[int]:
-    """`truncate_prompt_tokens`: the prompt's last `keep` tokens (-1: as many as a prompt may
-    hold: max_model_len for pooling, as vLLM's pooling runner; max_model_len - 1 when
-    `generate`, leaving room for a token); `token_ids` itself when nothing is cut."""
+    """`truncate_prompt_tokens`: `keep` of the prompt's tokens, its last ones when `side` is
+    "left" (the start cut off), its first ones when "right" (vLLM's tokenizer truncation_side);
+    -1: as many as a prompt may hold: max_model_len for pooling, as vLLM's pooling runner;
+    max_model_len - 1 when `generate`, leaving room for a token. `token_ids` itself when
+    nothing is cut."""
     if keep is None:
         return token_ids
     check_truncation(keep, max_model_len)
     if keep == -1:
         keep = max_model_len - 1 if generate else max_model_len
-    return token_ids[-keep:] if len(token_ids) > keep else token_ids
+    if len(token_ids) <= keep:
+        return token_ids
+    return token_ids[-keep:] if side == "left" else token_ids[:keep]
 
 
 @dataclass(slots=True)

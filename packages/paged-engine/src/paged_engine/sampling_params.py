@@ -227,6 +227,15 @@ class SamplingParams:
     # vLLM's: logprobs and prompt_logprobs come as `FlatLogprobs` (paged_engine.logprobs): the
     # same positions as the lists of dicts, in flat columns (a few objects, whatever the length)
     flat_logprobs: bool = False
+    # vLLM's fields paged does not run: accepted at their defaults, any other value refused by
+    # name (UNSUPPORTED_FIELDS) rather than silently ignored
+    prompt_logprob_token_ids: list[int] | None = None
+    prompt_logprob_start: int | None = None
+    routed_experts_prompt_start: int = 0
+    trace_decode_token_ids: list[int] | None = None
+    # vLLM's: characters of output text held back while a stop string may still be completing
+    # (the longest stop string's length - 1; 0 with include_stop_str_in_output). Not an argument.
+    output_text_buffer_length: int = field(default=0, init=False, repr=False)
     # Token ids that end the sequence: stop_token_ids here, plus the model's eos id(s), which
     # the engine adds when it accepts the request unless ignore_eos. Not a constructor argument.
     all_stop_token_ids: set[int] = field(default_factory=set, init=False, repr=False)
@@ -246,8 +255,16 @@ class SamplingParams:
             self.seed = None
         self.max_tokens = _as_int("max_tokens", self.max_tokens, optional=True)
         self.min_tokens = _as_int("min_tokens", self.min_tokens)
-        self.logprobs = _as_int("logprobs", self.logprobs, optional=True)
-        self.prompt_logprobs = _as_int("prompt_logprobs", self.prompt_logprobs, optional=True)
+        _check_unsupported(self)
+        # vLLM reads logprobs=True / prompt_logprobs=True as 1
+        self.logprobs = _as_int(
+            "logprobs", 1 if self.logprobs is True else self.logprobs, optional=True
+        )
+        self.prompt_logprobs = _as_int(
+            "prompt_logprobs",
+            1 if self.prompt_logprobs is True else self.prompt_logprobs,
+            optional=True,
+        )
         self.output_kind = _as_output_kind(self.output_kind)
 
         if self.stop is None:
@@ -307,6 +324,8 @@ class SamplingParams:
         if self.use_beam_search:
             self._verify_beam_search()
         self.all_stop_token_ids = set(self.stop_token_ids)
+        if self.stop and not self.include_stop_str_in_output:
+            self.output_text_buffer_length = max(len(s) for s in self.stop) - 1
 
     def _verify_beam_search(self) -> None:
         """Beam search (`to_beam_search_params`) would silently drop these: refuse them."""
@@ -497,6 +516,25 @@ _OPTIONAL_DEFAULTS = (
     "temperature",
     "top_p",
 )
+
+
+# vLLM's SamplingParams fields paged accepts only at their defaults (what each would need).
+UNSUPPORTED_FIELDS: dict[str, tuple[Any, str]] = {
+    "prompt_logprob_token_ids": (None, "the logprobs of chosen ids at prompt rows"),
+    "prompt_logprob_start": (None, "prompt_logprob_token_ids"),
+    "routed_experts_prompt_start": (0, "returning routed experts (enable_return_routed_experts)"),
+    "trace_decode_token_ids": (None, "replaying a fixed decode trace"),
+}
+
+
+def _check_unsupported(p: SamplingParams) -> None:
+    for name, (default, needs) in UNSUPPORTED_FIELDS.items():
+        value = getattr(p, name)
+        if value != default:
+            raise ValueError(
+                f"{name} is not supported (it needs {needs}, which paged does not run): leave "
+                f"it at {default!r}, got {value!r:.200}."
+            )
 
 
 def whole_vocabulary(params: SamplingParams, vocab_size: int) -> SamplingParams:

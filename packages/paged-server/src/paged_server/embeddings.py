@@ -7,7 +7,7 @@ classifier's probabilities) as `{"object": "pooling", "data": [...]}` items.
     -> {"object": "list", "data": [{"object": "embedding", "index": i, "embedding": [...]}],
         "model": M, "usage": {"prompt_tokens": n, "total_tokens": n}}
 
-vLLM's extras: `truncate_prompt_tokens` (keep the last k tokens; -1: as many as fit),
+vLLM's extras: `truncate_prompt_tokens` (keep k, cut on truncation_side; -1: all that fit),
 `add_special_tokens` (default true), `normalize`. Instead of `input`, vLLM's chat form:
 `messages` through the chat template (`chat_template_kwargs`, `add_generation_prompt` default
 false, `continue_final_message`, `chat_template`, `mm_processor_kwargs` as chat completions
@@ -134,7 +134,7 @@ def _pooling_task(body: dict) -> str | None:
 
 
 def parse_truncate(body: dict) -> int | None:
-    """`truncate_prompt_tokens`: keep the last k tokens; -1 keeps as many as fit."""
+    """`truncate_prompt_tokens`: keep k tokens; -1 keeps as many as fit."""
     truncate = body.get("truncate_prompt_tokens")
     if truncate is not None and (
         isinstance(truncate, bool)
@@ -193,10 +193,12 @@ def encode(vector: list, fmt: str) -> list | str:
 
 
 def truncated_tokens(app: OpenAIApp, tokens: list[int], truncate: int | None) -> list[int]:
-    """pooling.truncated: the last `truncate` tokens, a 400 naming truncate_prompt_tokens when
-    it exceeds max_model_len."""
+    """pooling.truncated: `truncate` tokens cut on the tokenizer's truncation_side (the engine
+    set it: the first ones on a pooling-only engine, else the last), a 400 naming
+    truncate_prompt_tokens when it exceeds max_model_len."""
+    side = getattr(app.tokenizer, "truncation_side", "left")
     try:
-        return truncated(tokens, truncate, app.max_model_len)
+        return truncated(tokens, truncate, app.max_model_len, side=side)
     except ValueError as e:
         raise bad_request(str(e), "truncate_prompt_tokens") from None
 
@@ -221,7 +223,7 @@ def prompt_tokens(
     if len(tokens) > app.max_model_len:  # a pooling prompt may fill the context
         raise bad_request(
             f"{where} has {len(tokens)} tokens; this model's maximum context length is "
-            f"{app.max_model_len} (set truncate_prompt_tokens to keep the last tokens)",
+            f"{app.max_model_len} (set truncate_prompt_tokens to cut it)",
             param,
         )
     return tokens

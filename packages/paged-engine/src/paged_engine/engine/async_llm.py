@@ -228,8 +228,12 @@ class AsyncLLM:
         """Raise EngineDeadError when a worker rank is lost."""
         await self._call(lambda e: e.check_health())
 
-    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
-        return await self._call(lambda e: e.reset_prefix_cache(reset_running_requests))
+    async def reset_prefix_cache(
+        self, reset_running_requests: bool = False, reset_connector: bool = False
+    ) -> bool:
+        return await self._call(
+            lambda e: e.reset_prefix_cache(reset_running_requests, reset_connector)
+        )
 
     async def sleep(self, level: int = 1, tags: list[str] | None = None, mode: str = "abort"):
         await self._call(lambda e: self._settled(lambda: e.sleep(level, tags, mode)))
@@ -269,8 +273,8 @@ class AsyncLLM:
         """vLLM's: `method` on every worker rank, between steps; one result per rank."""
         return await self._call(lambda e: e.collective_rpc(method, timeout, args, kwargs))
 
-    async def start_profile(self) -> None:
-        await self._call(lambda e: e.start_profile())
+    async def start_profile(self, profile_prefix: str | None = None) -> None:
+        await self._call(lambda e: e.start_profile(profile_prefix))
 
     async def stop_profile(self) -> list[str]:
         return await self._call(lambda e: e.stop_profile())

@@ -132,8 +132,9 @@ class InputProcessor:
         assert max_len is not None
         keep = getattr(params, "truncate_prompt_tokens", None)  # (BeamSearchParams: none)
         pooling = is_pooling(params)
-        cut = truncated(token_ids, keep, max_len, generate=not pooling)
-        if cut is not token_ids:  # the end kept, where pooling looks; the text no longer fits
+        side = getattr(self.tokenizer, "truncation_side", "left")  # (LLMEngine sets it)
+        cut = truncated(token_ids, keep, max_len, generate=not pooling, side=side)
+        if cut is not token_ids:  # the text no longer fits
             if is_embeds_prompt(mm_inputs):
                 raise ValueError(
                     "truncate_prompt_tokens would cut a prompt given as prompt_embeds: send "

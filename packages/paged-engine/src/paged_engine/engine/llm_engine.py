@@ -12,6 +12,7 @@ thread). The tokenizer is the engine thread's: other threads use their own copy.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -195,6 +196,10 @@ class LLMEngine:
             self.classifier is not None,
             self.is_encoder or self.pooling_only is not None,
         )
+        # vLLM's tokenizer truncation_side (truncate_prompt_tokens cuts on it): "right" (keep
+        # the start) for a pooling runner, else "left" (keep the end)
+        with contextlib.suppress(AttributeError):
+            self.tokenizer.truncation_side = "right" if self.serves == "pooling" else "left"
         # sentence-transformers Dense modules: run on each embedding (models/st_modules.py)
         # Invariant: st_dense_error is set only when the engine also generates: a Dense module
         # it cannot run fails its embed requests (add_request), never its generation
@@ -536,20 +541,62 @@ class LLMEngine:
         any step already submitted (same thread, stream or broadcast order)."""
         return self.executor.collective_rpc(method, args, kwargs)
 
-    def start_profile(self) -> None:
+    def start_profile(self, profile_prefix: str | None = None) -> None:
         """vLLM's: every rank starts torch.profiler (worker/profiler.py); RuntimeError unless
         the engine started with PAGED_TORCH_PROFILER_DIR (or VLLM_TORCH_PROFILER_DIR) set, or
-        while it already runs."""
-        self.collective_rpc("start_profile")
+        while it already runs. `profile_prefix`: the trace files' names start with it."""
+        if profile_prefix is not None and (
+            not isinstance(profile_prefix, str)
+            or not profile_prefix
+            or any(c in profile_prefix for c in "/\\\0")
+        ):
+            raise ValueError(
+                f"profile_prefix must be a non-empty file name part (no path separators), got "
+                f"{profile_prefix!r:.200}"
+            )
+        self.collective_rpc("start_profile", args=(profile_prefix,))
 
     def stop_profile(self) -> list[str]:
         """Stop every rank's profiler; returns the trace files written, one per rank."""
         return self.collective_rpc("stop_profile")
 
-    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+    def get_supported_tasks(self) -> tuple[str, ...]:
+        """vLLM's: the tasks this engine serves, named as vllm/tasks.py names them: "generate"
+        unless it only pools, then the pooling tasks its model runs unless it only generates
+        (an embedding model: "embed", "token_embed"; a sequence classifier: "classify" and,
+        unless it pools before its head, "token_classify"; a token classifier:
+        "token_classify")."""
+        tasks = [] if self.serves == "pooling" else ["generate"]
+        if self.serves == "generate":
+            return tuple(tasks)
+        info = self.classifier
+        if info is None:
+            if self.st_dense_error is None:  # (a Dense module it cannot run: embeds refused)
+                tasks.append("embed")
+                if not getattr(self.encoder, "pooled_rows", False):
+                    tasks.append("token_embed")
+        elif info.per_token:
+            tasks.append("token_classify")
+        else:
+            tasks += ["classify"] if info.head_after_pooling else ["classify", "token_classify"]
+        return tuple(tasks)
+
+    def reset_prefix_cache(
+        self, reset_running_requests: bool = False, reset_connector: bool = False
+    ) -> bool:
         """Forget every cached block (after a weight update its KV is stale). False, and
         nothing changes, while requests are unfinished (their blocks stay registered), unless
-        `reset_running_requests` (vLLM's): those are preempted first and recomputed."""
+        `reset_running_requests` (vLLM's): those are preempted first and recomputed.
+        `reset_connector` (vLLM's): the KV connector's stored blocks are never loaded again
+        (kv_transfer/connector.py `reset_cache`); False without a connector."""
+        if reset_connector:
+            done = self.reset_prefix_cache(reset_running_requests)
+            connector = self.scheduler.kv_connector
+            if connector is None:
+                logger.warning("reset_connector: this engine has no KV connector")
+                return False
+            connector.reset_cache()
+            return done
         if self.scheduler.has_unfinished_requests():
             if not reset_running_requests:
                 return False

@@ -10,9 +10,10 @@ At admission, one sequence (`match`, after the local prefix-cache lookup):
 
 Only full prompt blocks are stored or loaded, and at least the last token is computed so that
 its logits exist. Block keys are a chained SHA-256 (`block_keys`) over the engine identity (the
-model, dtype, KV cache dtype, block size, tensor-parallel size), the request's LoRA adapter and
-cache salt, each block's token ids and the multimodal hashes the prefix cache keys it by: never
-Python's `hash`, so other processes compute the same keys.
+model, dtype, KV cache dtype, block size, tensor-parallel size; the epoch after a
+`reset_cache`), the request's LoRA adapter and cache salt, each block's token ids and the
+multimodal hashes the prefix cache keys it by: never Python's `hash`, so other processes
+compute the same keys.
 """
 
 from __future__ import annotations
@@ -40,8 +41,9 @@ class KVConnector:
         self.block_size = block_size
         self.world = int(identity["tensor_parallel_size"])
         self.spec = spec  # every rank's block file holds these tensors (same shard shapes)
-        text = json.dumps(identity, sort_keys=True, default=str)
-        self._engine_key = hashlib.sha256(text.encode()).hexdigest()
+        self._identity = json.dumps(identity, sort_keys=True, default=str)
+        self.epoch = 0  # reset_cache calls: blocks stored under an earlier epoch are not read
+        self._engine_key = self._key()
         self._keys: dict[str, list[str]] = {}  # request id -> keys of its full prompt blocks
         self._saved: dict[str, int] = {}  # request id -> prompt blocks handed to the worker
         # seq id -> (blocks to load, prompt tokens looked up), from `match` to its first step
@@ -53,6 +55,20 @@ class KVConnector:
         # keys whose file the worker could not load (gone or changed after `_stored` checked
         # it): never looked up again, so a request sent back to recompute cannot loop
         self._failed: set[str] = set()
+
+    def _key(self) -> str:
+        text = self._identity if self.epoch == 0 else f"{self._identity}#{self.epoch}"
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def reset_cache(self) -> None:
+        """vLLM's connector reset (after a weight update the stored KV is stale): from now on
+        blocks are looked up and stored under the next epoch's keys, so none stored before is
+        loaded again (the files stay: other engines may still read them). Engines that share
+        storage meet again after the same number of resets."""
+        self.epoch += 1
+        self._engine_key = self._key()
+        self._keys.clear()
+        self._failed.clear()
 
     def block_keys(self, req: Request) -> list[str]:
         """Hex keys of the request's full prompt blocks, chained from its root."""

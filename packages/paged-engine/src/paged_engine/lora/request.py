@@ -16,7 +16,13 @@ class LoRARequest:
     lora_name: str
     lora_int_id: int
     lora_path: str = ""
+    # what the adapter was trained on (vLLM's; the server lists it as the adapter's root)
     base_model_name: str | None = field(default=None, compare=False)
+    # vLLM's newer fields, accepted at their defaults. is_3d_lora_weight only matters to vLLM
+    # with enable_mixed_moe_lora_format (paged has none: the layout follows the base model).
+    tensorizer_config_dict: dict | None = field(default=None, compare=False)
+    load_inplace: bool = field(default=False, compare=False)
+    is_3d_lora_weight: bool = field(default=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.lora_name, str) or not self.lora_name:
@@ -29,6 +35,22 @@ class LoRARequest:
             raise ValueError(f"lora_int_id must be an int >= 1, got {self.lora_int_id!r}")
         if not isinstance(self.lora_path, str) or not self.lora_path:
             raise ValueError(f"lora_path must be a non-empty str, got {self.lora_path!r}")
+        if self.base_model_name is not None and not isinstance(self.base_model_name, str):
+            raise ValueError(f"base_model_name must be a str or None, got {self.base_model_name!r}")
+        if self.tensorizer_config_dict is not None:
+            raise ValueError(
+                "tensorizer_config_dict is not supported: paged reads PEFT adapter directories "
+                "(lora_path) only"
+            )
+        for name in ("load_inplace", "is_3d_lora_weight"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.load_inplace:
+            raise ValueError(
+                "load_inplace=True is not supported: a loaded lora_int_id keeps its weights; "
+                "call llm.llm_engine.remove_lora(lora_int_id) once its requests finished, then "
+                "send the request again to read the adapter anew"
+            )
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, LoRARequest) and other.lora_int_id == self.lora_int_id

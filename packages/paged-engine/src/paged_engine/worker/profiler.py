@@ -8,6 +8,7 @@ Enabled by a trace directory in the environment, read when a worker starts:
 
 Between `start()` and `stop()` every rank records its process's CPU ops (and CUDA kernels on a
 GPU); `stop()` writes one gzipped Chrome trace per rank, `rank{R}.{pid}.{time}-{n}.pt.trace.json.gz`
+(`<profile_prefix>_tp{R}-{n}.pt.trace.json.gz` when start_profile named a prefix)
 (Perfetto and chrome://tracing open it as it is). Only for development: a trace of a few
 requests runs to tens of megabytes, and recording slows every step.
 """
@@ -69,13 +70,15 @@ class WorkerProfiler:
         }
         self._running: torch.profiler.profile | None = None
         self._traces = 0  # traces written: part of each file name, unique within the process
+        self._prefix: str | None = None  # the running trace's file-name prefix
 
     @classmethod
     def from_env(cls, rank: int, device: torch.device) -> WorkerProfiler | None:
         directory = profiler_dir()
         return None if directory is None else cls(directory, rank, device)
 
-    def start(self) -> None:
+    def start(self, prefix: str | None = None) -> None:
+        """`prefix` (vLLM's profile_prefix): the trace file is `<prefix>_tp<rank>-<n>...`."""
         global _RECORDING
         if self._running is not None:
             raise RuntimeError("the profiler is already running: stop_profile() first")
@@ -87,6 +90,7 @@ class WorkerProfiler:
         prof = torch.profiler.profile(activities=self.activities, **self.options)
         prof.start()
         self._running, _RECORDING = prof, self
+        self._prefix = prefix
 
     def stop(self) -> str:
         """Stop recording and write this rank's trace; returns its path."""
@@ -99,6 +103,8 @@ class WorkerProfiler:
         self._traces += 1
         stamp = time.strftime("%Y%m%d-%H%M%S")
         name = f"rank{self.rank}.{os.getpid()}.{stamp}-{self._traces}.pt.trace.json.gz"
+        if self._prefix is not None:
+            name = f"{self._prefix}_tp{self.rank}-{self._traces}.pt.trace.json.gz"
         path = self.directory / name
         prof.export_chrome_trace(str(path))  # gzipped (the name ends in .gz)
         return str(path)

@@ -401,8 +401,8 @@ class Worker:
             gc.collect()  # CUDA graphs just dropped hold their memory pool until collected
             torch.cuda.empty_cache()
 
-    def start_profile(self) -> None:
-        self._profiler().start()
+    def start_profile(self, profile_prefix: str | None = None) -> None:
+        self._profiler().start(profile_prefix)
 
     def stop_profile(self) -> str:
         """This rank's trace file."""

@@ -22,7 +22,6 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
-from urllib.parse import unquote
 
 from paged_engine.classification import ClassifierInfo
 from paged_engine.pooling import check_truncation
@@ -251,8 +250,9 @@ class OpenAIApp:
             self._check_key(h)
         methods = self.routes.get(route)
         if methods is None and route.startswith(_MODEL_ROUTE):
-            # OpenAI's "retrieve model"; a served name may hold "/" (an org/name hub id)
-            name = unquote(route[len(_MODEL_ROUTE) :])
+            # OpenAI's "retrieve model"; a served name may hold "/" (an org/name hub id), sent
+            # as it is or as %2F (http.py decoded the path once: decoding again would misread "%")
+            name = route[len(_MODEL_ROUTE) :]
             methods = {"GET": lambda h: self.model(h, name)}
         if methods is None and route.startswith(_RESPONSE_ROUTE):
             rid, _, sub = route[len(_RESPONSE_ROUTE) :].partition("/")

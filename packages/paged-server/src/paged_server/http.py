@@ -7,6 +7,11 @@ Invariants:
 - A request body is framed by one Content-Length or by chunked transfer encoding, and read only
   while it stays under the size limit (a Content-Length is checked before any byte, chunks as
   their sizes arrive); a rejected body closes the connection instead of being drained.
+- Framing is unambiguous before any route runs: what llhttp (uvicorn's parser) refuses -- both
+  framings at once, two Content-Lengths, one that is not 1*DIGIT or past 64 bits, a
+  Transfer-Encoding whose last coding is not chunked or that repeats it -- is a 400 that closes.
+- Routes see the percent-decoded path (uvicorn's scope["path"], which Starlette routes on:
+  `%2F` is a "/" there too); the query stays as sent.
 - Socket timeouts: `keep_alive_timeout` while waiting for the next request line, `io_timeout` for
   reading a body and for every write (a stuck streaming client fails its write and is aborted).
   The request line and headers must be complete within `keep_alive_timeout + io_timeout`,
@@ -32,7 +37,7 @@ import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Protocol
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 from paged_engine.unicode_text import find_lone_surrogate, surrogate_message
 from paged_server import __version__
@@ -48,6 +53,8 @@ _MAX_LINE = 4096  # a chunk-size or trailer line
 _MAX_BLANK_LINES = 8  # skipped before a request line
 _ACCEPT_EXHAUSTED = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 _ACCEPT_PAUSE = 0.5  # seconds between accepts while out of descriptors
+_ACCEPT_REMIND = 60.0  # seconds between "still cannot accept" warnings while that lasts
+_MAX_LENGTH_DIGITS = 20  # a Content-Length under 2**64 (llhttp's limit), leading zeros aside
 _BAD_VALUE = re.compile(r"[\r\n\x00]")  # a folded line or a NUL in a header value
 # what the email parser notes of a header section it read in part (a multipart Content-Type
 # adds defects of its own, about the body it expected: not ours to judge)
@@ -56,6 +63,46 @@ _HEADER_DEFECTS = (
     email.errors.InvalidHeaderDefect,
     email.errors.FirstHeaderLineIsContinuationDefect,
 )
+
+
+def _framing_error(headers: Any) -> str | None:
+    """Why a request's framing headers are ambiguous, else None: what llhttp (the parser behind
+    uvicorn, so vLLM's server) refuses before the app sees the request, each a request-smuggling
+    vector when a proxy in front frames the message otherwise (RFC 9112 6.1, 6.3)."""
+    te = headers.get_all("Transfer-Encoding") or []
+    lengths = headers.get_all("Content-Length") or []
+    if te and lengths:
+        return "a request must not carry both Content-Length and Transfer-Encoding"
+    if len(lengths) > 1:
+        return "a request must carry one Content-Length"
+    if lengths:
+        if not _DIGITS.fullmatch(lengths[0].strip(" \t")):
+            return f"invalid Content-Length {lengths[0]!r:.60}"
+        digits = _significant(lengths[0])
+        if len(digits) > _MAX_LENGTH_DIGITS or int(digits) >= 1 << 64:
+            return "Content-Length overflow"
+    if te:
+        codings = [c.strip(" \t").lower() for value in te for c in value.split(",")]
+        if codings[-1] != "chunked" or "chunked" in codings[:-1]:
+            return f"invalid Transfer-Encoding {', '.join(te)!r:.60}: chunked must end it, once"
+    return None
+
+
+def _target_path(target: str) -> tuple[str, str]:
+    """A request target's path as sent (what logs show: decoded, it may hold a CR, LF or NUL)
+    and percent-decoded, as uvicorn hands it to Starlette's routing (invalid UTF-8 becomes
+    U+FFFD). Routes still match exactly: no dot segment or repeated "/" is folded away."""
+    if target.startswith("/"):  # origin-form: "//host/x" too (urlsplit reads an authority)
+        raw = target.partition("?")[0].partition("#")[0]
+    else:  # absolute-form ("http://h/x"), or "*"
+        raw = urlsplit(target).path
+    return raw, (unquote(raw) if "%" in raw else raw)
+
+
+def _significant(length: str) -> str:
+    """A valid Content-Length's digits without leading zeros (int() refuses a string of over
+    4300 digits, and a header line may hold 64 KiB of zeros)."""
+    return length.strip(" \t").lstrip("0") or "0"
 
 
 def _reject_constant(name: str) -> None:
@@ -152,6 +199,9 @@ class Server(ThreadingHTTPServer):
         self.keep_alive_timeout = keep_alive_timeout
         self.io_timeout = io_timeout
         self.accepting = True
+        # accept() out of descriptors: (since, accepts refused, last warning), on the accept
+        # loop's thread only; None while accepts succeed
+        self._exhausted: tuple[float, int, float] | None = None
         self._active = 0
         self._active_lock = threading.Lock()
         # Connections between "waiting for a request line" and "headers parsed", with the time
@@ -193,10 +243,32 @@ class Server(ThreadingHTTPServer):
             # once would spin the accept loop; pause as asyncio's servers do (the OSError makes
             # socketserver skip this round).
             if e.errno in _ACCEPT_EXHAUSTED:
-                log.warning("cannot accept connections: %s; retrying in %.1f s", e, _ACCEPT_PAUSE)
+                self._accept_refused(e)
                 time.sleep(_ACCEPT_PAUSE)
             raise
+        if self._exhausted is not None:
+            since, refused, _ = self._exhausted
+            self._exhausted = None
+            log.warning(
+                "accepting connections again after %.1f s (%d accepts refused)",
+                time.monotonic() - since,
+                refused,
+            )
         return conn, (("unix", 0) if self.unix else addr)  # handlers log client_address[0]
+
+    def _accept_refused(self, e: OSError) -> None:
+        """Count a refused accept; warn when an episode of them starts, then once per
+        _ACCEPT_REMIND while it lasts (not at every retry: twice a second)."""
+        now = time.monotonic()
+        if self._exhausted is None:
+            self._exhausted = (now, 1, now)
+            log.warning("cannot accept connections: %s; retrying every %.1f s", e, _ACCEPT_PAUSE)
+            return
+        since, refused, warned = self._exhausted
+        if now - warned >= _ACCEPT_REMIND:
+            log.warning("still cannot accept connections after %.0f s: %s", now - since, e)
+            warned = now
+        self._exhausted = (since, refused + 1, warned)
 
     def server_close(self) -> None:
         super().server_close()
@@ -312,9 +384,9 @@ class Handler(BaseHTTPRequestHandler):
         the email parser behind it takes a line without a colon for the end of the headers
         (silently dropping those after it, Content-Length included, so the body would be read
         as the next request) and keeps folded lines and NUL bytes in values (RFC 9112 5.2,
-        RFC 9110 5.5: reject them). Blank lines before the request line are skipped (RFC 9112
-        2.2: some clients send a CRLF after a body; without this the next request on the
-        connection is dropped unanswered)."""
+        RFC 9110 5.5: reject them), and for ambiguous framing (`_framing_error`). Blank lines
+        before the request line are skipped (RFC 9112 2.2: some clients send a CRLF after a
+        body; without this the next request on the connection is dropped unanswered)."""
         for _ in range(_MAX_BLANK_LINES):
             if self.raw_requestline not in (b"\r\n", b"\n"):
                 break
@@ -329,6 +401,10 @@ class Handler(BaseHTTPRequestHandler):
             _BAD_VALUE.search(v) for v in self.headers.values()
         ):
             self.send_error(400, "malformed header line")
+            return False
+        error = _framing_error(self.headers)
+        if error is not None:
+            self.send_error(400, error)
             return False
         return True
 
@@ -363,7 +439,7 @@ class Handler(BaseHTTPRequestHandler):
         self.log_extra = ""
         self.body_read = False
         self._json: Any = _UNREAD  # the parsed body, once read_json has read it
-        path = urlsplit(self.path).path
+        raw, path = _target_path(self.path)  # logged as sent, routed decoded
         self.server.track(1)
         cors, origin = self.server.cors, self.headers.get("Origin")
         self.cors_headers = cors.response_headers(origin) if cors is not None else {}
@@ -378,12 +454,12 @@ class Handler(BaseHTTPRequestHandler):
             self.server.app.dispatch(self, method, path)
         except APIError as e:
             if self.server.log_error_stack:  # vLLM's --log-error-stack
-                log.warning("%s %s answered %d: %s", method, path, e.status, e.message, exc_info=e)
+                log.warning("%s %s answered %d: %s", method, raw, e.status, e.message, exc_info=e)
             self._send_error(e)
         except (TimeoutError, ConnectionError, ssl.SSLError):  # the client went away
             self.close_connection = True
         except Exception:
-            log.exception("unhandled error in %s %s", method, path)
+            log.exception("unhandled error in %s %s", method, raw)
             self._send_error(APIError(500, "internal server error"))
         finally:
             self.server.track(-1)
@@ -394,7 +470,7 @@ class Handler(BaseHTTPRequestHandler):
                 "%s %s %s %d %.3fs%s",
                 self.client_address[0],
                 method,
-                path,
+                raw,
                 self.status,
                 dt,
                 self.log_extra,
@@ -417,9 +493,9 @@ class Handler(BaseHTTPRequestHandler):
         return True
 
     def has_body(self) -> bool:
-        return "Transfer-Encoding" in self.headers or self.headers.get(
-            "Content-Length", "0"
-        ).strip() not in ("", "0")
+        return "Transfer-Encoding" in self.headers or (
+            _significant(self.headers.get("Content-Length", "0")) != "0"
+        )
 
     def read_json(self) -> Any:
         """The request's JSON body, parsed and checked once (a second call returns it again:
@@ -462,14 +538,13 @@ class Handler(BaseHTTPRequestHandler):
         return data
 
     def _read_body(self) -> bytes:
-        """The body framed by Transfer-Encoding: chunked (RFC 9112: it wins over a
-        Content-Length, and a message with both closes the connection) or by one Content-Length
-        of digits only; conflicting lengths are a 400 that closes."""
-        te = self.headers.get_all("Transfer-Encoding") or []
-        lengths = {v.strip() for v in self.headers.get_all("Content-Length") or []}
+        """The body framed by Transfer-Encoding: chunked or by its one Content-Length
+        (parse_request refused any other framing). A coding before chunked ("gzip, chunked",
+        which llhttp lets through) is a 501 that closes: no coding but chunked is undone."""
+        te = self.headers.get_all("Transfer-Encoding")
         if te:
-            codings = [c.strip().lower() for v in te for c in v.split(",") if c.strip()]
-            keep_open = not self.close_connection and not lengths
+            codings = [c.strip(" \t").lower() for v in te for c in v.split(",")]
+            keep_open = not self.close_connection
             self.close_connection = True  # until the body is read to its end
             if codings != ["chunked"]:
                 raise APIError(
@@ -482,12 +557,10 @@ class Handler(BaseHTTPRequestHandler):
             data = self._read_chunked()
             self.close_connection = not keep_open
             return data
-        if not lengths:
+        length_text = self.headers.get("Content-Length")
+        if length_text is None:
             raise APIError(411, "a JSON body with Content-Length (or chunked) is required")
-        if len(lengths) > 1 or not _DIGITS.fullmatch(next(iter(lengths))):
-            self.close_connection = True
-            raise bad_request(f"invalid Content-Length: {', '.join(sorted(lengths))!r}")
-        length = int(next(iter(lengths)))
+        length = int(_significant(length_text))
         self._check_size(length)
         self._continue()
         return self._read_exact(length, time.monotonic() + self.server.io_timeout)

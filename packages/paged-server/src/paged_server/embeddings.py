@@ -210,8 +210,8 @@ def prompt_tokens(
     truncate: int | None,
     add_special_tokens: bool = True,
 ) -> list[int]:
-    """One pooled input's token ids: text tokenized, ids checked, the last `truncate` kept
-    (-1: as many as a prompt may hold); a 400 when it does not fit. `where` names the input
+    """One pooled input's token ids: text tokenized, ids checked, `truncate` of them kept
+    (truncated_tokens; -1: as many as a prompt may hold); a 400 when it does not fit. `where` names the input
     ("input[2]"); the error's `param` is its field ("input")."""
     param = where.partition("[")[0]
     if isinstance(item, str):

@@ -21,8 +21,9 @@ model (CLIP, SigLIP) embeds it alone, jina-reranker-m0 reads it into its pair pr
 A model without images refuses the form by name.
 
 An embedding model pools every distinct text once (a query scored against N documents runs
-once); a cross-encoder runs one request per pair. Common extras: `truncate_prompt_tokens` (the
-last k tokens of each text, or of each pair for a cross-encoder; -1: as many as fit),
+once); a cross-encoder runs one request per pair. Common extras: `truncate_prompt_tokens` (k
+tokens of each text, or of each pair for a cross-encoder, on the tokenizer's truncation side:
+the first k on a pooling-only engine, as vLLM; -1: as many as fit),
 `priority`, `user` (ignored), `use_activation` (false: a cross-encoder's raw logit; no effect on
 a cosine). Token usage counts each pair as vLLM does: an embedding model's both texts and the pad
 token between them, a cross-encoder's pair prompt.

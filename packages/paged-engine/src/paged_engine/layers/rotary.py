@@ -516,6 +516,14 @@ WHOLE_HEAD_ROPE_MODEL_TYPES = frozenset(
         "starcoder2",
         "exaone4",
         "smollm3",
+        "cohere",
+        "cohere2",
+        "falcon",
+        "olmo3",
+        "seed_oss",
+        "ernie4_5",
+        "helium",
+        "hunyuan_v1_dense",
     }
 )
 

@@ -19,7 +19,8 @@ and otherwise:
 Cohere 2 adds sliding-window layers: `layer_types` (configs of transformers < 4.53: every
 `sliding_window_pattern`-th layer full, 4 by default). Only the sliding layers rotate q and k;
 the full-attention layers use no position embedding at all (NoPE), as HF's Cohere2Attention
-applies rope exactly when the layer has a window. It has no qk norm.
+applies rope exactly when the layer has a window. It has no qk norm. Sliding layers without a
+`sliding_window` (which transformers 5 cannot run) are refused by name.
 
 Cohere 2 MoE (`Cohere2MoeForCausalLM`) keeps that parallel block with a feed-forward per
 `mlp_layer_types`: "dense" (a gated SiLU MLP of `prefix_dense_intermediate_size`; those layers
@@ -40,7 +41,7 @@ from paged_engine.layers.fused_moe import SparseMoeBlock
 from paged_engine.layers.norm import HeadLayerNorm, LayerNorm, RMSNorm
 from paged_engine.layers.rotary import RotaryEmbedding
 from paged_engine.models.exaone_moe import is_sparse_layer
-from paged_engine.models.gemma2 import gemma_layer_types
+from paged_engine.models.gemma2 import check_sliding_has_window, gemma_layer_types
 from paged_engine.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaModel
 from paged_engine.models.mixtral import check_silu, expert_rules, num_experts
 from paged_engine.models.utils import CausalLMBase, cfg_get
@@ -146,6 +147,12 @@ class CohereForCausalLM(LlamaForCausalLM):
 
 
 class Cohere2ForCausalLM(CohereForCausalLM):
+    def __init__(self, config):
+        if getattr(config, "model_type", None) == "cohere2":
+            pattern = int(cfg_get(config, "sliding_window_pattern", 4))
+            check_sliding_has_window(config, gemma_layer_types(config, pattern), "Cohere 2")
+        super().__init__(config)
+
     @classmethod
     def layer_flags(cls, config) -> dict[str, bool]:
         return {**super().layer_flags(config), "qk_norm": False}
@@ -158,7 +165,7 @@ class Cohere2ForCausalLM(CohereForCausalLM):
         for kind in gemma_layer_types(config, pattern):
             if kind == "sliding_attention" and window is not None:
                 specs.append((int(window), True))
-            else:  # a full layer, or a sliding one of a config without a window: NoPE (as HF)
+            else:  # a full layer, or a sliding one without a window (Cohere 2 refuses it): NoPE
                 specs.append((None, False))
         return specs
 

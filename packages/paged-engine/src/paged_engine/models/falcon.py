@@ -52,9 +52,17 @@ _RENAMES = (
 
 def falcon_kv_heads(config) -> int:
     heads = config.num_attention_heads
+    kv_heads = cfg_get(config, "num_kv_heads", None) or heads
     if cfg_get(config, "new_decoder_architecture", False):
-        return cfg_get(config, "num_kv_heads", heads)
-    return 1 if cfg_get(config, "multi_query", True) else heads
+        return kv_heads
+    if cfg_get(config, "multi_query", True):
+        return 1
+    if kv_heads != heads:  # per-head q|k|v rows hold H KV heads; HF's attention fails on it
+        raise ValueError(
+            f"Falcon with num_kv_heads={kv_heads} != num_attention_heads={heads} needs "
+            "new_decoder_architecture=True (multi-head rows carry a KV head per head)"
+        )
+    return heads
 
 
 def llama_view(config):

@@ -44,6 +44,15 @@ def gemma_layer_types(config, every: int) -> list[str]:
     return list(types)
 
 
+def check_sliding_has_window(config, types: list[str], family: str) -> None:
+    """Refuse sliding_attention layers without a sliding_window (transformers 5 cannot build
+    their mask)."""
+    if "sliding_attention" in types and cfg_get(config, "sliding_window", None) is None:
+        raise ValueError(
+            f"{family} with sliding_attention layers and sliding_window=None is not supported"
+        )
+
+
 def check_gemma_config(config) -> None:
     """Refuse what this decoder does not do (bidirectional attention: EmbeddingGemma)."""
     if getattr(config, "use_bidirectional_attention", False):

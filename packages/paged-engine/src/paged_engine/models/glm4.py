@@ -17,7 +17,8 @@ halves, so that under tensor parallelism each rank takes its slice of both.
 
 `GlmForCausalLM` (glm-4-9b-chat-hf, glm-edge) is the same model with Llama's two norms a layer;
 `HeliumForCausalLM` (Kyutai Helium-1) is that again with full interleaved rope (its
-partial_rotary_factor is 1), separate gate / up matrices and no q / k / v biases by default.
+partial_rotary_factor is 1), separate gate / up matrices, no q / k / v biases by default and MLP
+biases when `mlp_bias` (GLM's MLPs have none whatever the config says).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 from paged_engine.layers.norm import RMSNorm
 from paged_engine.layers.rotary import RotaryEmbedding
 from paged_engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
-from paged_engine.models.utils import CausalLMBase, cfg_get
+from paged_engine.models.utils import CausalLMBase, cfg_get, check_heads_span_hidden
 
 
 class Glm4DecoderLayer(LlamaDecoderLayer):
@@ -59,7 +60,8 @@ class Glm4ForCausalLM(LlamaForCausalLM):
 
     @classmethod
     def layer_flags(cls, config) -> dict[str, bool]:
-        return {**super().layer_flags(config), "o_bias": False}
+        # HF's GLM MLPs have no biases whatever mlp_bias says
+        return {**super().layer_flags(config), "o_bias": False, "mlp_bias": False}
 
     def convert_weight(self, name: str, w: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
         if ".gate_up_proj." in name:  # rows [gate: I | up: I] -> the stacked gate / up rules
@@ -74,5 +76,14 @@ class GlmForCausalLM(Glm4ForCausalLM):
     """GLM-4's attention flags and interleaved partial rope on Llama's pre-norm layers."""
 
     def __init__(self, config):
+        if getattr(config, "model_type", None) == "helium":
+            check_heads_span_hidden(config, "Helium")  # its o_proj is hidden x hidden
         inner = LlamaModel(config, self.layer_flags(config), is_neox_style=False)
         CausalLMBase.__init__(self, config, inner)
+
+    @classmethod
+    def layer_flags(cls, config) -> dict[str, bool]:
+        flags = super().layer_flags(config)
+        if getattr(config, "model_type", None) == "helium":  # HF's Helium MLP reads mlp_bias
+            flags["mlp_bias"] = bool(getattr(config, "mlp_bias", False))
+        return flags

@@ -17,7 +17,7 @@ from paged_engine.layers.linear import ColumnParallelLinear, QKVParallelLinear, 
 from paged_engine.layers.norm import LayerNorm
 from paged_engine.layers.rotary import RotaryEmbedding, get_rope
 from paged_engine.models.bloom import per_head_qkv
-from paged_engine.models.utils import CausalLMBase, cfg_get, make_layers
+from paged_engine.models.utils import CausalLMBase, cfg_get, check_heads_span_hidden, make_layers
 
 
 class GPTNeoXAttention(nn.Module):
@@ -100,6 +100,8 @@ class GPTNeoXForCausalLM(CausalLMBase):
     ignored_weights = (".attention.bias", ".attention.masked_bias", ".inv_freq")
 
     def __init__(self, config):
+        # HF's heads are hidden_size / num_attention_heads wide whatever head_dim says
+        check_heads_span_hidden(config, "GPT-NeoX")
         super().__init__(config, GPTNeoXModel(config))
 
     def convert_weight(self, name: str, w: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:

@@ -20,7 +20,7 @@ import copy
 from torch import nn
 
 from paged_engine.layers.norm import LayerNorm
-from paged_engine.layers.rotary import RotaryEmbedding
+from paged_engine.layers.rotary import RotaryEmbedding, rope_config
 from paged_engine.models.llama import LlamaAttention, LlamaModel
 from paged_engine.models.starcoder2 import LayerNormDecoderLayer, Starcoder2MLP
 from paged_engine.models.utils import QKV_PROJ_RULES, CausalLMBase, cfg_get
@@ -59,6 +59,13 @@ class GPTJForCausalLM(CausalLMBase):
     ignored_weights = (".self_attn.bias", ".self_attn.masked_bias", "embed_positions")
 
     def __init__(self, config):
+        theta, scaling, _ = rope_config(config)
+        if theta != 10000.0 or scaling is not None:  # HF's sin / cos table is fixed
+            field = f"rope_theta={theta}" if scaling is None else f"rope_scaling={scaling}"
+            raise ValueError(
+                f"GPT-J with {field} is not supported (transformers rotates by base 10000, "
+                "unscaled, whatever the config says)"
+            )
         view = llama_view(config)
         eps = float(cfg_get(config, "layer_norm_epsilon", 1e-5))
         flags = {"qkv_bias": False, "o_bias": False, "qk_norm": False, "sliding": False}

@@ -3,14 +3,14 @@
 A GPT-style decoder as transformers runs it: multi-head attention on one fused `Wqkv` [q | k | v]
 (clamped to +-`attn_config.clip_qkv` when set), ALiBi instead of positions, LayerNorms without a
 bias, an exact-GELU MLP up_proj / down_proj of 4 x hidden, no biases anywhere, a sequential
-pre-norm layer and a tied LM head. MPT's ALiBi slopes are the paper's with `alibi_bias_max` (8),
+pre-norm layer and a tied LM head. MPT's ALiBi slopes are the paper's with `alibi_bias_max` 8,
 but for a head count that is not a power of two they come from the next power of two's sequence,
 its odd then its even entries (not BLOOM's order); the bias is added after the scores are
 scaled by `attn_config.softmax_scale` (1 / sqrt(head_dim) when unset).
 
-transformers always runs ALiBi and multi-head attention and never reads `qk_ln`; configs that
-ask for anything else (learned positions, grouped or multi-query attention, q / k LayerNorms)
-are refused by name.
+transformers always runs ALiBi with alibi_bias_max 8 and multi-head attention and never reads
+`qk_ln`; configs that ask for anything else (learned positions, another alibi_bias_max, grouped
+or multi-query attention, q / k LayerNorms) are refused by name.
 """
 
 from __future__ import annotations
@@ -60,6 +60,8 @@ def _check(config) -> None:
         ),
         "qk_ln": (sub_cfg_get(config, "attn_config", "qk_ln", False), False),
         "prefix_lm": (sub_cfg_get(config, "attn_config", "prefix_lm", False), False),
+        # transformers builds the slopes with 8 whatever the config says
+        "alibi_bias_max": (sub_cfg_get(config, "attn_config", "alibi_bias_max", 8), 8),
     }
     for key, (got, want) in refused.items():
         if got != want:
@@ -84,9 +86,7 @@ class MptForCausalLM(CausalLMBase):
         view.max_position_embeddings = 2048  # sizes the unused rotary table only
         eps = float(cfg_get(config, "layer_norm_epsilon", 1e-5))
         flags = {"qkv_bias": False, "o_bias": False, "qk_norm": False, "sliding": False}
-        slopes = mpt_alibi_slopes(
-            heads, float(sub_cfg_get(config, "attn_config", "alibi_bias_max", 8))
-        )
+        slopes = mpt_alibi_slopes(heads, 8.0)
         scale = sub_cfg_get(config, "attn_config", "softmax_scale")
         clip = sub_cfg_get(config, "attn_config", "clip_qkv")
 

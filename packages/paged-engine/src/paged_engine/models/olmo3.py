@@ -4,7 +4,8 @@ OLMo 2's decoder (models/olmo2.py: norms after the sublayers, whole-projection q
 before RoPE, float32 norm products), with two kinds of attention layer from config.layer_types:
 `sliding_attention` layers see only the last config.sliding_window keys (themselves included),
 `full_attention` layers the whole context. Without layer_types every fourth layer is full, the
-others slide (HF's default).
+others slide (HF's default); sliding layers without a sliding_window (which transformers 5 cannot
+run) are refused by name.
 
 Each kind has its own rope. transformers >= 5 keeps them in config.rope_parameters, one dict
 per layer type: the rope scaling (YaRN in the long-context checkpoints) is the full layers'
@@ -21,7 +22,7 @@ rank.
 from __future__ import annotations
 
 from paged_engine.layers.rotary import RotaryEmbedding, get_rope, rope_config
-from paged_engine.models.gemma2 import gemma_layer_types
+from paged_engine.models.gemma2 import check_sliding_has_window, gemma_layer_types
 from paged_engine.models.llama import llama_head_dim
 from paged_engine.models.olmo2 import Olmo2DecoderLayer, Olmo2ForCausalLM, Olmo2Model
 from paged_engine.models.utils import CausalLMBase, cfg_get
@@ -60,6 +61,7 @@ class Olmo3DecoderLayer(Olmo2DecoderLayer):
 def olmo3_model(config) -> Olmo2Model:
     """OLMo 2's stack of Olmo3DecoderLayers: each layer type its window and rope."""
     types = gemma_layer_types(config, every=4)
+    check_sliding_has_window(config, types, "OLMo 3")
     window = cfg_get(config, "sliding_window", None)
     window = int(window) if window else None
     ropes = olmo3_ropes(config, llama_head_dim(config), types)  # each shared by its type's layers

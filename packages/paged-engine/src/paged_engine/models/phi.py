@@ -27,7 +27,12 @@ from paged_engine.models.starcoder2 import (
     LayerNormLlamaModel,
     Starcoder2MLP,
 )
-from paged_engine.models.utils import QKV_PROJ_RULES, CausalLMBase, cfg_get
+from paged_engine.models.utils import (
+    QKV_PROJ_RULES,
+    CausalLMBase,
+    cfg_get,
+    check_heads_span_hidden,
+)
 
 # (HF's name fragment, ours)
 _RENAMES = (
@@ -69,4 +74,5 @@ class PhiForCausalLM(CausalLMBase):
     ignored_weights = ("rotary_emb.inv_freq",)
 
     def __init__(self, config):
+        check_heads_span_hidden(config, "Phi")  # HF's dense is hidden x hidden
         super().__init__(config, phi_model(config, qk_layernorm=False, parallel=True))

@@ -24,7 +24,12 @@ from paged_engine.layers.norm import HeadLayerNorm
 from paged_engine.layers.rotary import RotaryEmbedding
 from paged_engine.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 from paged_engine.models.starcoder2 import LayerNormDecoderLayer, LayerNormLlamaModel
-from paged_engine.models.utils import CausalLMBase, StackedRule, cfg_get
+from paged_engine.models.utils import (
+    CausalLMBase,
+    StackedRule,
+    cfg_get,
+    check_heads_span_hidden,
+)
 
 # (q norm, k norm) for one layer's q / k / v projection (this rank's heads)
 HeadNorms = Callable[[QKVParallelLinear], tuple[nn.Module, nn.Module]]
@@ -73,6 +78,7 @@ def _per_head_norm_rules(config) -> tuple[StackedRule, ...]:
 
 class StableLmForCausalLM(LlamaForCausalLM):
     def __init__(self, config):
+        check_heads_span_hidden(config, "StableLM")  # HF's rope reads head_dim, its heads not
         flags = self.layer_flags(config)
         eps = float(cfg_get(config, "layer_norm_eps", 1e-5))
         parallel = bool(cfg_get(config, "use_parallel_residual", False))

@@ -158,6 +158,17 @@ def cfg_get(config, name: str, default):
     return default if value is None else value
 
 
+def check_heads_span_hidden(config, family: str) -> None:
+    """Refuse a `head_dim` whose heads do not make up hidden_size, for families whose HF
+    attention sizes some projection as hidden x hidden (transformers fails on, or ignores, it)."""
+    head_dim = getattr(config, "head_dim", None)
+    if head_dim is not None and head_dim * config.num_attention_heads != config.hidden_size:
+        raise ValueError(
+            f"{family} with head_dim={head_dim} x num_attention_heads="
+            f"{config.num_attention_heads} != hidden_size={config.hidden_size} is not supported"
+        )
+
+
 def soft_cap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
     """cap * tanh(logits / cap) in HF's op order (Gemma 2 / 3's and nanochat's final logits);
     `cap` None or 0: the logits as they are."""

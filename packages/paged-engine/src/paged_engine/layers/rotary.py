@@ -509,6 +509,17 @@ WHOLE_HEAD_ROPE_MODEL_TYPES = frozenset(
         "olmoe",
         "granite",
         "granitemoe",
+        "granitemoeshared",
+        "granitemoehybrid",
+        "phimoe",
+        "hunyuan_v1_moe",
+        "ernie4_5_moe",
+        "deepseek_v2",
+        "deepseek_v3",
+        "lfm2",
+        "lfm2_moe",
+        "falcon_h1",
+        "zamba2",
         "gemma",
         "gemma2",
         "gemma3_text",
@@ -531,12 +542,14 @@ WHOLE_HEAD_ROPE_MODEL_TYPES = frozenset(
 def _hf_rotary_factor(config: Any, scaling: dict[str, Any] | None, partial: float) -> float:
     """The fraction of each head the rope turns, as transformers' model of `config` turns it:
     1 for a WHOLE_HEAD_ROPE_MODEL_TYPES model whatever partial_rotary_factor says (default
-    rope); such a model with a scaled rope and partial_rotary_factor < 1 (which transformers
-    cannot run) is refused by name."""
+    rope, Hunyuan's alpha); such a model with another scaled rope and partial_rotary_factor < 1
+    (which transformers cannot run) is refused by name."""
     model_type = getattr(config, "model_type", None)
     if partial == 1.0 or model_type not in WHOLE_HEAD_ROPE_MODEL_TYPES:
         return partial
-    if scaling is not None:
+    # Hunyuan's alpha NTK rope (get_rope) turns whole heads too
+    alpha = str(model_type).startswith("hunyuan") and scaling is not None and scaling.get("alpha")
+    if scaling is not None and not alpha:
         kind = scaling.get("rope_type") or scaling.get("type")
         raise ValueError(
             f"config partial_rotary_factor={partial} with a {kind!r} rope scaling is not "

@@ -7,9 +7,9 @@ with DeepSeek-style MoE MLPs (layers/deepseek_moe.py) in some layers.
              have a dense gated SiLU MLP of `intermediate_size`
     router   float32: p = softmax(x @ W_g^T) over the moe_num_experts experts; the k = moe_k
              experts with the largest p + e_score_correction_bias are chosen, weighted by their
-             unbiased p renormalized to sum 1 (HF divides by max(sum, moe_norm_min); we add
-             1e-20: the same unless the k probabilities sum below 1e-12). No groups, no scaling
-             (DeepseekRouter with sigmoid=False and the correction bias)
+             unbiased p divided by max(sum, moe_norm_min) (ErnieRouter: a floor above moe_k /
+             moe_num_experts, the least that sum can be, leaves the weights short of 1). No
+             groups, no scaling (DeepseekRouter with sigmoid=False and the correction bias)
     experts  gated SiLU experts of `moe_intermediate_size`, never biased, plus
              moe_num_shared_experts * moe_intermediate_size of shared experts every token goes
              through (biased when `use_bias`)
@@ -31,7 +31,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from paged_engine.layers.deepseek_moe import DeepseekMoe, SharedExpertsMLP
+from paged_engine.layers.deepseek_moe import DeepseekMoe, DeepseekRouter, SharedExpertsMLP
 from paged_engine.layers.embedding import ParallelLMHead
 from paged_engine.layers.rotary import RotaryEmbedding
 from paged_engine.models.ernie4_5 import ernie_layer_flags
@@ -51,18 +51,33 @@ def is_moe_layer(config, layer_idx: int) -> bool:
     return (layer_idx + 1) % interval == 0 and start <= layer_idx <= end
 
 
+class ErnieRouter(DeepseekRouter):
+    """DeepseekRouter's softmax routing with the correction bias, its k weights divided by
+    max(their sum, `norm_min`) (HF's moe_norm_min). x [T, H] -> (weights [T, k], ids [T, k])."""
+
+    def __init__(self, num_experts: int, hidden_size: int, top_k: int, norm_min: float) -> None:
+        super().__init__(num_experts, hidden_size, top_k, sigmoid=False, renormalize=False)
+        self.norm_min = norm_min
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        weights, ids = super().forward(x)
+        return weights / weights.sum(dim=-1, keepdim=True).clamp(min=self.norm_min), ids
+
+
 def ernie_moe_block(config) -> DeepseekMoe:
     inter = int(config.moe_intermediate_size)
+    experts, top_k = int(config.moe_num_experts), int(config.moe_k)
     block = DeepseekMoe(
-        int(config.moe_num_experts),
-        int(config.moe_k),
+        experts,
+        top_k,
         config.hidden_size,
         inter,
         0,  # the shared experts are set below (they may carry biases)
         sigmoid=False,
         correction_bias=True,
-        renormalize=True,
     )
+    norm_min = float(cfg_get(config, "moe_norm_min", 1e-12))
+    block.gate = ErnieRouter(experts, config.hidden_size, top_k, norm_min)
     shared = int(cfg_get(config, "moe_num_shared_experts", 2))
     if shared:
         bias = bool(getattr(config, "use_bias", False))

@@ -41,6 +41,12 @@ class OlmoeAttention(Olmo2Attention):
     """OLMo 2's attention, clamping q / k / v to +-`clip_qkv` after the q / k norms."""
 
     def __init__(self, config, rope: RotaryEmbedding) -> None:
+        head_dim, heads = llama_head_dim(config), config.num_attention_heads
+        if head_dim * heads != config.hidden_size:  # HF's q norm is hidden_size wide
+            raise ValueError(
+                f"OLMoE needs head_dim * num_attention_heads == hidden_size={config.hidden_size}"
+                f" (its q norm spans hidden_size), got head_dim={head_dim} x {heads} heads"
+            )
         super().__init__(config, rope)
         clip = getattr(config, "clip_qkv", None)
         self.clip = None if clip is None else float(clip)

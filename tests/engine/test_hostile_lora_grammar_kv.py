@@ -120,7 +120,7 @@ def test_a_counted_regex_builds_its_lexer_off_the_step_thread(tiny_llama_dir: Pa
 
     tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
     backend = LLGuidanceBackend(tok, len(tok), [tok.eos_token_id])
-    text = grammar_text(StructuredOutputsParams(regex="a{1000000}"))
+    text = grammar_text(StructuredOutputsParams(regex="a{10000}"))  # (1e6: refused now)
     t0 = time.process_time()  # CPU time of every thread (llguidance's pool too): load-proof
     template = backend.compile(text)
     compile_cpu = time.process_time() - t0

@@ -24,6 +24,11 @@ class GrammarMatcher(ABC):
         in an error state for good)."""
 
     @abstractmethod
+    def error(self) -> str:
+        """Why the matcher failed (a token it rejected, a parser or lexer limit hit), one
+        line; "" while it has not."""
+
+    @abstractmethod
     def is_stopped(self) -> bool:
         """Nothing may follow: the output is complete (or the matcher failed)."""
 

@@ -29,6 +29,7 @@ Threads the rest of the process starts meanwhile keep their own stack size (`_ru
 from __future__ import annotations
 
 import _thread
+import contextlib
 import functools
 import json
 import re
@@ -40,6 +41,7 @@ from paged_engine.structured_output.grammar_rules import check_grammar_rules
 from paged_engine.structured_output.params import StructuredOutputsParams
 from paged_engine.structured_output.schema_refs import check_ref_cycles
 from paged_engine.structured_output.structural_tag import structural_tag_lark
+from paged_engine.structured_output.work_bounds import check_regex, check_spec
 
 EXTRA_HINT = "install it with: pip install 'paged-engine[structured]'"
 # llguidance takes ~3 KB of stack a chained rule (8 MB overflowed near 2800 rules; 25k fit
@@ -140,6 +142,7 @@ def _build_grammar_text(key: str) -> str:
     llg = import_llguidance()
     matcher = llg.LLMatcher
     field = f"structured_outputs.{kind}"
+    _check_work(kind, spec, field)
     try:
         if kind in ("json", "json_object"):
             if no_extra_props and isinstance(spec, dict):
@@ -167,6 +170,18 @@ def _build_grammar_text(key: str) -> str:
     if kind == "grammar":  # a rule with no way out: llguidance admits it, then ends quietly
         check_grammar_rules(grammar, spec, field)
     return grammar
+
+
+def _check_work(kind: str, spec: Any, field: str) -> None:
+    """The bounds llguidance does not apply itself (work_bounds.py), before it runs."""
+    if kind in ("regex", "grammar"):  # (Lark / GBNF: `x{n}` repeats a rule or a terminal)
+        check_regex(spec, field)
+    elif kind == "json":
+        check_spec(spec, field)
+    elif kind == "structural_tag":
+        with contextlib.suppress(ValueError, RecursionError):  # structural_tag_lark says why
+            spec = json.loads(spec) if isinstance(spec, str) else spec
+        check_spec(spec, field)
 
 
 def _json_options(no_whitespace: bool, whitespace: str | None) -> dict[str, Any]:

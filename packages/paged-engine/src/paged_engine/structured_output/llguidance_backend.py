@@ -30,6 +30,10 @@ class LLGuidanceMatcher(GrammarMatcher):
     def is_stopped(self) -> bool:
         return self.m.is_stopped() or self.m.is_error()
 
+    def error(self) -> str:
+        # (llguidance appends a dump of the parser's state after the first line)
+        return self.m.get_error().split("\n", 1)[0] if self.m.is_error() else ""
+
     def copy(self) -> LLGuidanceMatcher:
         return LLGuidanceMatcher(self.m.deep_copy())
 

@@ -19,12 +19,15 @@ budget does not draft.
 
 from __future__ import annotations
 
+import logging
 from concurrent.futures import Future
 
 import numpy as np
 
 from paged_engine.structured_output.backend import GrammarMatcher
 from paged_engine.structured_output.thinking_budget import ThinkingBudget
+
+logger = logging.getLogger(__name__)
 
 
 class RequestConstraint:
@@ -78,7 +81,16 @@ class RequestConstraint:
         m = self.matcher(seq_id)
         if m is None:
             return False
-        return not m.accept(token_id) or m.is_stopped()
+        if m.accept(token_id):
+            return m.is_stopped()
+        # The mask allowed only tokens the grammar accepts: llguidance hit one of its own
+        # limits mid-output (a parser row past 2000 items, a lexer past its expression budget).
+        # The output ends here, finish_reason "stop", as in vLLM; the log says why.
+        logger.warning(
+            "structured outputs: sequence %d's grammar failed at token %d, its output ends "
+            "here: %s", seq_id, token_id, m.error()[:300],
+        )  # fmt: skip
+        return True
 
     def valid_drafts(self, seq_id: int, output_ids: list[int], drafts: list[int]) -> int:
         """How many leading `drafts` may follow `output_ids`: each allowed by the grammar, none

@@ -7,6 +7,7 @@ pressure.
     python -m benchmarks.kv_memory --dtype bfloat16   # a 16-bit cache vs fp8 (issue 13):
                                                       # .../kv_memory-bfloat16.json
     python -m benchmarks.kv_memory --device cuda --dtype bfloat16 --out ...   # GPU
+    python -m benchmarks.kv_memory --smoke --out ...  # short prompts and outputs: a rehearsal
 
 The KV cache takes the model's dtype (`--dtype`) unless it is fp8.
 
@@ -296,11 +297,22 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--convs", type=int, default=8)
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--out", help="default docs/benchmarks/cpu/kv_memory[-DTYPE].json")
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="short prompts and outputs (a rehearsal of the code paths, no figures)",
+    )
     argv = sys.argv[1:] if argv is None else argv
     args = p.parse_args(argv)
     suffix = "" if args.dtype == "float32" else f"-{args.dtype}"
     out = Path(args.out or ROOT / f"docs/benchmarks/cpu/kv_memory{suffix}.json")
-    io = ((100, 400), (50, 200))
+    # (input, output) token ranges of the fp8 / swap workload; the chat's system prompt, user
+    # turns and replies
+    io, chat = (
+        (((16, 64), (4, 12)), (40, (8, 16), 4))
+        if args.smoke
+        else (((100, 400), (50, 200)), (200, (40, 80), 32))
+    )
     load0 = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         model = tiny_llama(Path(tmp), args.hidden, args.layers)
@@ -322,7 +334,7 @@ def main(argv: list[str] | None = None) -> dict:
         if "chat" in args.sections:
             result["chat"] = run_chat(
                 model, args.device, args.gpu_blocks, args.tier_gib, args.convs, args.turns,
-                200, (40, 80), 32, args.dtype,
+                *chat, args.dtype,
             )  # fmt: skip
     result["load_average_1min"] = {"before": round(load0, 2), "after": round(os.getloadavg()[0], 2)}
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -43,3 +43,17 @@ def test_swap_section(tmp_path):
     recompute, swap = res["records"]
     assert recompute["preemptions"] > 0 and recompute["swap_preemptions"] == 0
     assert swap["swap_preemptions"] == swap["preemptions"] > 0
+
+
+def test_smoke_shortens_every_section(tmp_path):
+    """--smoke: the fp8 / swap workload and the chat take short prompts and outputs (what
+    gpu_run.sh's rehearsal runs on a CPU in seconds instead of minutes)."""
+    out = tmp_path / "kv.json"
+    res = kv_memory.main([
+        "--smoke", "--hidden", "64", "--layers", "2", "--requests", "3", "--backends", "torch",
+        "--sections", "fp8", "chat", "--convs", "2", "--turns", "2", "--out", str(out),
+    ])  # fmt: skip
+    assert "input 16-64 tokens, output 4-12 tokens" in res["fp8"]["workload"]
+    assert "system prompt 40 tokens" in res["chat"]["workload"]
+    assert "greedy replies of 4" in res["chat"]["workload"]
+    assert out.exists() and res["chat"]["outputs_identical"]

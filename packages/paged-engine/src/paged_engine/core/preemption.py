@@ -88,7 +88,9 @@ class Preemption:
             self.waiting.appendleft(req)
         preempted.append(req)
         self.num_swap_preemptions += swapped
-        if len(req.seqs) > 1 and not swapped:
+        # forked, or forking when its pending sample lands (async scheduling): recomputed as
+        # one prompt shared again, not a copy per sequence (token_plan.reshare_plan)
+        if (len(req.seqs) > 1 or req.fans_out) and not swapped:
             self._reshare.add(req)
 
     def recompute(self, req: Request) -> None:

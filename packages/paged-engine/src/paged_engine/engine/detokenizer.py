@@ -203,17 +203,17 @@ def find_stop(
 ) -> tuple[int, str] | None:
     """Look for a stop string that ends in the last `num_new_chars` characters.
 
-    Only the tail that can hold a new match is searched (the text before it was checked on
-    earlier steps). Returns (length to truncate output_text to, the stop string) for the
-    earliest match, or None. The stop string is kept only with include_stop_str_in_output.
+    Only the tail that can hold a new match is searched, per stop string (the text before it
+    was checked on earlier steps, or skipped under min_tokens: a short stop there is no match
+    however long the other stops are). Returns (length to truncate output_text to, the stop
+    string) for the earliest match, or None. The stop string is kept only with
+    include_stop_str_in_output.
     """
     if not stops or num_new_chars <= 0:
         return None
-    max_len = max(len(s) for s in stops)
-    start = max(0, len(output_text) - num_new_chars - max_len + 1)
     best: tuple[int, str] | None = None
     for stop in stops:
-        pos = output_text.find(stop, start)
+        pos = output_text.find(stop, max(0, len(output_text) - num_new_chars - len(stop) + 1))
         if pos != -1 and (best is None or pos < best[0]):
             best = (pos, stop)
     if best is None:

@@ -913,3 +913,32 @@ def test_prompt_logprobs_of_a_request_that_finishes_in_its_prefill_step(llama_di
     (out,) = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)
     assert out.prompt_logprobs is not None and out.prompt_logprobs[0] is None
     assert [next(iter(d)) if d else None for d in out.prompt_logprobs][1:] == [6, 7, 8]
+
+
+def test_stop_strings_skip_the_text_of_the_first_min_tokens(llm):
+    """vLLM's detokenizer checks stop strings once more than min_tokens tokens are out: a stop
+    inside the min_tokens-th token's text does not end the output (paged once checked it)."""
+    prompt = _tp([40 + k for k in range(12)])
+    plain = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    (whole,) = llm.generate(prompt, plain, use_tqdm=False)
+    ids, text = whole.outputs[0].token_ids, whole.outputs[0].text
+    tok = llm.get_tokenizer()
+    # a token k whose text holds a character no earlier token's text holds
+    for k in range(2, len(ids)):
+        before, upto = tok.decode(ids[: k - 1]), tok.decode(ids[:k])
+        if not upto.startswith(before):
+            continue
+        fresh = [c for c in upto[len(before) :] if c.strip() and c not in before]
+        if fresh:
+            break
+    else:
+        pytest.skip("no token of this output brings a new character")
+    stop = fresh[0]
+    at = text.find(stop, len(upto))  # checked only from token k + 1's text on
+    want = text if at < 0 else text[:at]
+    params = SamplingParams(
+        temperature=0, max_tokens=12, ignore_eos=True, stop=[stop], min_tokens=k
+    )
+    (out,) = llm.generate(prompt, params, use_tqdm=False)
+    assert out.outputs[0].text == want
+    assert out.outputs[0].text != text[: text.find(stop)]  # the k-th token's stop was skipped

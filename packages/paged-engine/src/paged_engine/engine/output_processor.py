@@ -297,7 +297,8 @@ class OutputProcessor:
             seq.text = ""
             delta = detok.add_tokens([token])
             seq.text = detok.output_text
-            if params.stop and delta and len(seq.token_ids) >= params.min_tokens:
+            # stop strings skip the text of the first min_tokens tokens (vLLM's detokenizer)
+            if params.stop and delta and len(seq.token_ids) > params.min_tokens:
                 hit = find_stop(
                     seq.text, len(delta), params.stop, params.include_stop_str_in_output
                 )

@@ -11,12 +11,14 @@ Ovis2_5Layout   Ovis 2.5: image_start, the run, image_end (one span), 1-D positi
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from paged_engine.multimodal import qwen2_vl, qwen_omni
 from paged_engine.multimodal.inputs import ImageInput
 from paged_engine.multimodal.layouts import Layout, Loaded, Run, Size, _shape_error
 from paged_engine.multimodal.qwen2_vl_vision import _int_field
+from paged_engine.multimodal.torch_processors import saved_settings
 
 
 class QwenLayout(Layout):
@@ -30,6 +32,17 @@ class QwenLayout(Layout):
         self.config = config
         self.placeholder = placeholder
         self.fixed = None
+
+    def read_saved(self, path: Path) -> None:
+        """ValueError unless the saved image processor merges patches as the tower does (its
+        runs are counted by its merge_size; the tower's rows by spatial_merge_size)."""
+        saved = saved_settings(path).get("merge_size")
+        tower = getattr(self.config.vision_config, "spatial_merge_size", None)
+        if saved is not None and tower is not None and int(saved) != int(tower):
+            raise ValueError(
+                f"{path}: the image processor's merge_size {saved} is not "
+                f"vision_config.spatial_merge_size {tower}"
+            )
 
     def length(self, size: Size) -> int:
         if size is None or len(size) != 3 or min(size) <= 0:

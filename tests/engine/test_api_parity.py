@@ -113,15 +113,16 @@ def test_generate_tokenization_kwargs_truncation(llm):
     out = llm.generate(
         TEXT, GREEDY, use_tqdm=False, tokenization_kwargs={"truncation": True, "max_length": 3}
     )[0]
-    assert out.prompt_token_ids == full[-3:]
+    # text: the tokenizer cuts (vLLM's renderer), so its BOS stays before the last tokens
+    assert out.prompt_token_ids == [full[0], *full[-2:]]
     out = llm.generate(
         TEXT, GREEDY, use_tqdm=False, tokenization_kwargs={"truncate_prompt_tokens": 2}
     )
-    assert out[0].prompt_token_ids == full[-2:]
+    assert out[0].prompt_token_ids == [full[0], full[-1]]
     # a params' own truncate_prompt_tokens wins over tokenization_kwargs' (vLLM's order)
     own = SamplingParams(max_tokens=2, temperature=0, truncate_prompt_tokens=4)
     out = llm.generate(TEXT, own, use_tqdm=False, tokenization_kwargs={"truncate_prompt_tokens": 2})
-    assert out[0].prompt_token_ids == full[-4:]
+    assert out[0].prompt_token_ids == [full[0], *full[-3:]]
     assert own.truncate_prompt_tokens == 4  # the caller's object is left as it was
 
 
@@ -161,7 +162,7 @@ def test_chat_tokenization_kwargs(llm):
 def test_pooling_tokenization_kwargs(llm):
     full = ids_of(llm, TEXT)
     emb = llm.embed(TEXT, use_tqdm=False, tokenization_kwargs={"truncate_prompt_tokens": 3})
-    assert emb[0].prompt_token_ids == full[-3:]
+    assert emb[0].prompt_token_ids == [full[0], *full[-2:]]  # (the tokenizer's BOS stays)
     enc = llm.encode(TEXT, use_tqdm=False, tokenization_kwargs={"add_special_tokens": False})
     assert enc[0].prompt_token_ids == full[1:]
     # an explicit truncate_prompt_tokens argument wins over tokenization_kwargs
@@ -171,7 +172,7 @@ def test_pooling_tokenization_kwargs(llm):
         truncate_prompt_tokens=2,
         tokenization_kwargs={"truncate_prompt_tokens": 3},
     )
-    assert emb[0].prompt_token_ids == full[-2:]
+    assert emb[0].prompt_token_ids == [full[0], full[-1]]
     scores = llm.score(
         "a cat",
         ["a dog", "GDP"],
@@ -354,9 +355,8 @@ def test_truncation_side(llm, model_dir):
         {"prompt_token_ids": full}, GREEDY, use_tqdm=False, tokenization_kwargs=right
     )
     assert ids[0].prompt_token_ids == full[:3]
-    assert (
-        llm.embed(TEXT, use_tqdm=False, truncate_prompt_tokens=3)[0].prompt_token_ids == full[-3:]
-    )
+    cut = llm.embed(TEXT, use_tqdm=False, truncate_prompt_tokens=3)[0].prompt_token_ids
+    assert cut == [full[0], *full[-2:]]  # text: the tokenizer cuts, keeping its BOS
     with pytest.raises(ValueError, match="truncation_side"):
         llm.generate(TEXT, GREEDY, use_tqdm=False, tokenization_kwargs={"truncation_side": "up"})
 
@@ -378,7 +378,7 @@ def test_truncation_side(llm, model_dir):
             use_tqdm=False,
             tokenization_kwargs={"truncation_side": "left", "truncate_prompt_tokens": 3},
         )
-        assert left[0].prompt_token_ids == full[-3:]
+        assert left[0].prompt_token_ids == [full[0], *full[-2:]]
         most = pool.encode(
             TEXT * 9, pooling_task="embed", truncate_prompt_tokens=-1, use_tqdm=False
         )

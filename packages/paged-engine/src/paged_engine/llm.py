@@ -44,6 +44,8 @@ from paged_engine.pooling import (
     EmbeddingRequestOutput,
     PoolingParams,
     PoolingRequestOutput,
+    check_truncation,
+    encode_truncated,
     truncated,
 )
 from paged_engine.sampling_params import BeamSearchParams, SamplingParams
@@ -372,12 +374,12 @@ class LLM:
         params_list = per_prompt(
             pooling_params, len(prompt_list), "pooling_params", (PoolingParams,), PoolingParams()
         )
-        prompt_list, params_list = self._tokenize_as(opts, prompt_list, params_list)
         if truncate_prompt_tokens is not None:  # over each params' own (validated there)
             params_list = [
                 dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens)
                 for p in params_list
             ]
+        prompt_list, params_list = self._tokenize_as(opts, prompt_list, params_list)
         prompt_list, params_list = self._cut_on_side(opts, prompt_list, params_list)
         loras = _per_prompt_loras(lora_request, len(prompt_list))
         return self._run(list(zip(prompt_list, params_list)), use_tqdm, loras)
@@ -417,9 +419,17 @@ class LLM:
                     jina_vl_scoring.pair_request(tokenizer, first[i], second[j], names)
                     for i, j in pairs
                 ]
-            else:
+            else:  # a text pair cut by the tokenizer (vLLM), ids by the engine's slice
+                keep = truncate_prompt_tokens
+                if keep is None and pooling_params is not None:
+                    keep = pooling_params.truncate_prompt_tokens
+                max_len = self.llm_engine.config.max_model_len
+                assert max_len is not None
+                if keep is not None:
+                    check_truncation(keep, max_len)
+                limit = max_len if keep == -1 else keep
                 prompts = [
-                    {"prompt_token_ids": pair_prompt(tokenizer, first[i], second[j], names)}
+                    {"prompt_token_ids": pair_prompt(tokenizer, first[i], second[j], names, limit)}
                     for i, j in pairs
                 ]
             outs = self.encode(
@@ -550,12 +560,14 @@ class LLM:
                         "tokenization_kwargs['truncation_side'] applies to the text and "
                         "token-id prompts of a decoder-only text model only"
                     )
-                encoded = self._encode_as(prompt, dataclasses.replace(opts, keep=keep))
+                generate = isinstance(p, SamplingParams)
+                encoded = self._encode_as(
+                    prompt, dataclasses.replace(opts, keep=keep), generate, opts.side
+                )
                 ids = encoded if isinstance(encoded, (list, tuple)) else None
                 if isinstance(encoded, dict):
                     ids = encoded.get("prompt_token_ids")
-                if isinstance(ids, (list, tuple)):
-                    generate = isinstance(p, SamplingParams)
+                if isinstance(ids, (list, tuple)):  # (text: cut by the tokenizer already)
                     cut = truncated(list(ids), keep, max_len, generate=generate, side=opts.side)
                     base = encoded if isinstance(encoded, dict) else {}
                     prompt = {k: v for k, v in base.items() if k != "prompt"}
@@ -576,11 +588,23 @@ class LLM:
         if opts.keep is not None:
             params = [_with_keep(p, opts.keep) for p in params]
         if opts.encodes:
-            prompts = [self._encode_as(p, opts) for p in prompts]
+            prompts = [
+                self._encode_as(p, opts, isinstance(sp, SamplingParams), None, sp)
+                for p, sp in zip(prompts, params, strict=True)
+            ]
         return prompts, params
 
-    def _encode_as(self, prompt: PromptType, opts: TokenizationOptions) -> PromptType:
-        """One prompt as token ids per `opts`; token-id prompts as given (max_length checked)."""
+    def _encode_as(
+        self,
+        prompt: PromptType,
+        opts: TokenizationOptions,
+        generate: bool = False,
+        side: str | None = None,
+        params: Any = None,
+    ) -> PromptType:
+        """One prompt as token ids per `opts`; token-id prompts as given (max_length checked).
+        A text is truncated by the tokenizer (pooling.encode_truncated, on `side`) to
+        `params`' truncate_prompt_tokens (`opts.keep` without params): its special tokens stay."""
         ids: Any = None
         if isinstance(prompt, (list, tuple)):
             ids = prompt
@@ -608,7 +632,13 @@ class LLM:
         check_text(text, "prompt")
         text = text.lower() if opts.do_lower_case else text
         special = True if opts.add_special_tokens is None else opts.add_special_tokens
-        ids = self.llm_engine.tokenizer.encode(text, add_special_tokens=special)
+        keep = opts.keep if params is None else getattr(params, "truncate_prompt_tokens", None)
+        max_len = self.llm_engine.config.max_model_len
+        assert max_len is not None
+        tok = self.llm_engine.tokenizer
+        ids = encode_truncated(
+            tok, text, keep, max_len, generate=generate, side=side, add_special_tokens=special
+        )
         if opts.keep is None:
             _check_max_length(len(ids), opts.max_length)
         base = prompt if isinstance(prompt, dict) else {}

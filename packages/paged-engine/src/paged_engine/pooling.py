@@ -125,6 +125,41 @@ def truncated(
     return token_ids[-keep:] if side == "left" else token_ids[:keep]
 
 
+def encode_truncated(
+    tokenizer: Any,
+    text: str,
+    keep: int | None,
+    max_model_len: int,
+    *,
+    generate: bool = False,
+    side: str | None = None,
+    add_special_tokens: bool = True,
+) -> list[int]:
+    """A text prompt's ids with `truncate_prompt_tokens` applied as vLLM's renderer does: the
+    tokenizer itself truncates to `keep` (HF's truncation=True, max_length=keep), so the special
+    tokens it adds ([CLS] ... [SEP], BOS) stay and the text is cut on `side` (default: the
+    tokenizer's truncation_side); `truncated` then slices what still exceeds `keep` (a `keep`
+    smaller than the special tokens, which HF leaves uncut). Token-id prompts: `truncated`."""
+    if keep is None:
+        return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+    check_truncation(keep, max_model_len)
+    limit = (max_model_len - 1 if generate else max_model_len) if keep == -1 else keep
+    own = getattr(tokenizer, "truncation_side", "left")
+    side = side or own
+    try:
+        if side != own:  # (restored below: the engine's tokenizer keeps its side)
+            tokenizer.truncation_side = side
+        ids = tokenizer.encode(
+            text, add_special_tokens=add_special_tokens, truncation=True, max_length=limit
+        )
+    except TypeError:  # not an HF tokenizer: no truncation kwargs; slice the ids
+        ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    finally:
+        if side != own:
+            tokenizer.truncation_side = own
+    return truncated(list(ids), keep, max_model_len, generate=generate, side=side)
+
+
 @dataclass(slots=True)
 class PoolingSamplingParams(SamplingParams):
     """What the engine runs for a pooling request: one greedy token, never detokenized, plus

@@ -83,13 +83,22 @@ def cosine_scores(
     return out
 
 
-def pair_prompt(tokenizer: Any, first: Any, second: Any, names: tuple[str, str]) -> list[int]:
+def pair_prompt(
+    tokenizer: Any,
+    first: Any,
+    second: Any,
+    names: tuple[str, str],
+    max_length: int | None = None,
+) -> list[int]:
     """A cross-encoder's prompt for one pair: two texts encoded as a text pair, or two token-id
     lists (or {"prompt_token_ids": ...} dicts) joined; ValueError naming the second side when
-    the two are given differently."""
+    the two are given differently. `max_length` (a resolved truncate_prompt_tokens): the
+    tokenizer truncates a text pair to it (HF's longest_first, its special tokens kept, as
+    vLLM's get_score_prompt); token ids are left to the caller's slice."""
     a, b = _pair_side(first), _pair_side(second)
     if isinstance(a, str) and isinstance(b, str):
-        return list(tokenizer(a, text_pair=b)["input_ids"])
+        cut = {} if max_length is None else {"truncation": True, "max_length": max_length}
+        return list(tokenizer(a, text_pair=b, **cut)["input_ids"])
     if isinstance(a, list) and isinstance(b, list):
         return a + b
     raise ValueError(

@@ -37,7 +37,7 @@ from paged_server.anthropic_api import (
 from paged_server.classify import serve_classify
 from paged_server.dev_routes import ROUTES as DEV_ROUTES
 from paged_server.dev_routes import dev_routes
-from paged_server.embeddings import serve_embeddings
+from paged_server.embeddings import serve_embeddings, text_tokens
 from paged_server.engine_client import EngineClient
 from paged_server.errors import APIError, bad_request
 from paged_server.http import Handler
@@ -634,9 +634,12 @@ class OpenAIApp:
             req.prompt_embeds = self._decode_prompt_embeds(req.prompt_embeds)
             texts, ids = [None] * len(req.prompt_embeds), [None] * len(req.prompt_embeds)
         for p in req.prompts:
-            if isinstance(p, str):
-                texts.append(p)
-                ids.append(self._encode(p, req.add_special_tokens))
+            if isinstance(p, str):  # cut by the tokenizer (its BOS stays), as in vLLM
+                one, cut = text_tokens(
+                    self, p, req.truncate_prompt_tokens, req.add_special_tokens, generate=True
+                )
+                texts.append(None if cut else p)  # (None: re-derived from the ids)
+                ids.append(one)
             else:
                 self._check_ids(p, "prompt")
                 texts.append(None)

@@ -12,7 +12,9 @@ the engine side is paged_engine/engine/sleep_mode.py.
     POST /pause?mode=abort&clear_cache=true   stop scheduling ("abort", "wait", "keep")
     POST /resume                         schedule again
     GET  /is_paused                      {"is_paused": bool}
-    POST /reset_prefix_cache[?reset_running_requests=true]
+    POST /reset_prefix_cache[?reset_running_requests=true&reset_external=true]
+                                         reset_external: the KV connector's stored blocks too
+                                         ({"reset": false} without a connector)
     POST /collective_rpc {"method": "reload_weights", "args": [], "kwargs": {}, "timeout": s}
                                          {"results": [one per rank]}
 
@@ -97,8 +99,10 @@ def dev_routes(client: EngineClient) -> dict[str, dict[str, Callable[[Handler], 
         h.send_json(200, {"status": "resumed"})
 
     def reset_prefix_cache(h: Handler) -> None:
-        running = _bool(_query(h), "reset_running_requests", False)
-        done = client.call(lambda: engine.reset_prefix_cache(running), 60.0)
+        q = _query(h)
+        running = _bool(q, "reset_running_requests", False)
+        external = _bool(q, "reset_external", False)  # vLLM's: the KV connector's cache too
+        done = client.call(lambda: engine.reset_prefix_cache(running, external), 60.0)
         h.send_json(200, {"reset": done})
 
     def collective_rpc(h: Handler) -> None:

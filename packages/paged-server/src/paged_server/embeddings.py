@@ -30,7 +30,7 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from paged_engine.pooling import PoolingParams, truncated
+from paged_engine.pooling import PoolingParams, encode_truncated, truncated
 from paged_server.errors import bad_request
 from paged_server.openai_protocol import parse_chat
 from paged_server.pooling_media import chat_prompt
@@ -203,6 +203,40 @@ def truncated_tokens(app: OpenAIApp, tokens: list[int], truncate: int | None) ->
         raise bad_request(str(e), "truncate_prompt_tokens") from None
 
 
+def text_tokens(
+    app: OpenAIApp,
+    text: str,
+    truncate: int | None,
+    add_special_tokens: bool = True,
+    *,
+    generate: bool = False,
+) -> tuple[list[int], bool]:
+    """A text prompt's ids, `truncate` of them kept as vLLM's renderer keeps them, and whether
+    any were cut: the tokenizer truncates (pooling.encode_truncated: its special tokens, [CLS]
+    ... [SEP] or BOS, stay; the text is cut on its truncation_side); a 400 naming
+    truncate_prompt_tokens when `truncate` exceeds max_model_len. Encoded once more only when
+    a cut is due."""
+    tokens = app._encode(text, add_special_tokens)
+    if truncate is None:
+        return tokens, False
+    limit = app.max_model_len - (1 if generate else 0) if truncate == -1 else truncate
+    try:
+        if len(tokens) <= limit:
+            return truncated(tokens, truncate, app.max_model_len, generate=generate), False
+        with app.tok_lock:
+            cut = encode_truncated(
+                app.tokenizer,
+                text,
+                truncate,
+                app.max_model_len,
+                generate=generate,
+                add_special_tokens=add_special_tokens,
+            )
+    except ValueError as e:
+        raise bad_request(str(e), "truncate_prompt_tokens") from None
+    return cut, True
+
+
 def prompt_tokens(
     app: OpenAIApp,
     item: str | list[int],
@@ -210,16 +244,15 @@ def prompt_tokens(
     truncate: int | None,
     add_special_tokens: bool = True,
 ) -> list[int]:
-    """One pooled input's token ids: text tokenized, ids checked, `truncate` of them kept
-    (truncated_tokens; -1: as many as a prompt may hold); a 400 when it does not fit. `where` names the input
-    ("input[2]"); the error's `param` is its field ("input")."""
+    """One pooled input's token ids: text tokenized (text_tokens), ids checked, `truncate` of
+    them kept (truncated_tokens; -1: as many as a prompt may hold); a 400 when it does not fit.
+    `where` names the input ("input[2]"); the error's `param` is its field ("input")."""
     param = where.partition("[")[0]
     if isinstance(item, str):
-        tokens = app._encode(item, add_special_tokens)
+        tokens, _ = text_tokens(app, item, truncate, add_special_tokens)
     else:
         app._check_ids(item, param)
-        tokens = list(item)
-    tokens = truncated_tokens(app, tokens, truncate)
+        tokens = truncated_tokens(app, list(item), truncate)
     if len(tokens) > app.max_model_len:  # a pooling prompt may fill the context
         raise bad_request(
             f"{where} has {len(tokens)} tokens; this model's maximum context length is "

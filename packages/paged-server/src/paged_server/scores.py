@@ -233,6 +233,9 @@ def _cross_encoder(
     jina = jina_vl_scoring.serves(info)
     sides = _loaded(app, req) if jina else {}
     ids: list[list[int] | dict] = []
+    keep = req.truncate_prompt_tokens  # a text pair is cut by the tokenizer (vLLM)
+    truncated_tokens(app, [], keep)  # (a 400 when it exceeds max_model_len)
+    limit = app.max_model_len if keep == -1 else keep
     for k, (i, j) in enumerate(pairs):
         query, doc = req.first[i], req.second[j]
         media = [s for s in (doc, query) if isinstance(s, MediaSide)]
@@ -250,7 +253,8 @@ def _cross_encoder(
                 except ValueError as e:  # a side of nothing (no text, no image)
                     raise bad_request(str(e), req.names[1]) from None
             else:
-                tokens, images = pair_prompt(app.tokenizer, query, doc, req.names), []
+                tokens = pair_prompt(app.tokenizer, query, doc, req.names, limit)
+                images = []
         if media:  # its images' runs kept whole: no truncation
             ids.append(processed_prompt(app, tokens, images, media[0].param))
             continue

@@ -18,7 +18,7 @@ from paged_engine.multimodal.audio_archs import AUDIO_ARCHS
 from paged_engine.multimodal.inputs import is_embeds_prompt, shift_offsets
 from paged_engine.multimodal.processor import ImageProcessor
 from paged_engine.multimodal.qwen_video import VideoProcessor
-from paged_engine.pooling import check_prompt_len, is_pooling, truncated
+from paged_engine.pooling import check_prompt_len, encode_truncated, is_pooling, truncated
 from paged_engine.sample.beam_search import BeamSearchState
 from paged_engine.sample.logits_processor import load_logits_processors
 from paged_engine.sampling_params import BeamSearchParams, SamplingParams, whole_vocabulary
@@ -117,7 +117,11 @@ class InputProcessor:
         if isinstance(prompt, dict) and "prompt_embeds" in prompt:
             text, token_ids, mm_inputs = None, *self._prompt_embeds(prompt, params)
         else:
-            text, token_ids = self._tokenize_prompt(prompt)
+            # A text prompt of a text-only request is truncated by the tokenizer (vLLM's
+            # renderer): its special tokens stay; token ids are sliced below.
+            plain = split is None and not mm_data and self.audios is None
+            keep = getattr(params, "truncate_prompt_tokens", None) if plain else None
+            text, token_ids = self._tokenize_prompt(prompt, keep, not is_pooling(params))
         if split is not None:  # what the decoder cross-attends to
             mm_inputs = split.items
         if mm_data and not mm_inputs:
@@ -201,7 +205,11 @@ class InputProcessor:
             encoder_prompt = (split.encoder_prompt, split.encoder_prompt_token_ids)
         return ProcessedRequest(req, text, num_returned, beam_logprobs, encoder_prompt)
 
-    def _tokenize_prompt(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
+    def _tokenize_prompt(
+        self, prompt: str | list[int] | dict, keep: int | None = None, generate: bool = False
+    ) -> tuple[str | None, list[int]]:
+        """The prompt's text and ids; a text prompt is encoded with `keep` (its
+        truncate_prompt_tokens) through pooling.encode_truncated."""
         if isinstance(prompt, dict):
             # As in vLLM: token ids win when both are given; the text is kept for the output.
             text = prompt.get("prompt")
@@ -224,7 +232,10 @@ class InputProcessor:
             if not prompt:
                 raise ValueError("prompt must not be empty")
             check_text(prompt, "prompt")  # the tokenizer would raise a TypeError
-            return prompt, self.tokenizer.encode(prompt)
+            max_len = self.config.max_model_len
+            assert max_len is not None
+            ids = encode_truncated(self.tokenizer, prompt, keep, max_len, generate=generate)
+            return prompt, ids
         if isinstance(prompt, (list, tuple)):
             if not prompt:
                 raise ValueError("prompt must not be empty (got no token ids)")

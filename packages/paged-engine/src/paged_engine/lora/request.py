@@ -10,7 +10,8 @@ class LoRARequest:
     """A PEFT adapter directory, named for clients and identified by `lora_int_id` (>= 1).
 
     Requests with the same `lora_int_id` share one loaded adapter, so an id must always name the
-    same directory. Equality and hashing go by the id, as in vLLM.
+    same directory. Equality and hashing go by `lora_name`, as in vLLM (an adapter is known by
+    its name across engines); the engine itself keys adapters by `lora_int_id`, never by this.
     """
 
     lora_name: str
@@ -53,10 +54,10 @@ class LoRARequest:
             )
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, LoRARequest) and other.lora_int_id == self.lora_int_id
+        return isinstance(other, type(self)) and other.lora_name == self.lora_name
 
     def __hash__(self) -> int:
-        return hash(("lora", self.lora_int_id))
+        return hash(self.lora_name)
 
     @property
     def adapter_id(self) -> int:

@@ -33,7 +33,8 @@ from torch import nn
 
 from paged_engine.layers.deepseek_moe import DeepseekMoe, num_routed_experts
 from paged_engine.layers.norm import RMSNorm
-from paged_engine.models.deepseek_v2 import DeepseekV3ForCausalLM
+from paged_engine.layers.rotary import RotaryEmbedding
+from paged_engine.models.deepseek_v2 import DeepseekV3ForCausalLM, head_dim_sized_rope
 from paged_engine.models.llama import LlamaMLP
 from paged_engine.models.utils import cfg_get, layer_index
 
@@ -86,6 +87,10 @@ class AXK1ForCausalLM(DeepseekV3ForCausalLM):
         super().__init__(config)
         types = axk1_mlp_layer_types(config)
         self.dense_layers = frozenset(i for i, t in enumerate(types) if t == "dense")
+
+    @classmethod
+    def build_rope(cls, config) -> RotaryEmbedding:
+        return head_dim_sized_rope(config)
 
     @classmethod
     def build_mlp(cls, config, layer_idx: int) -> nn.Module:

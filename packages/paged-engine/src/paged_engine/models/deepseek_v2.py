@@ -259,6 +259,18 @@ class DeepseekV2ForCausalLM(CausalLMBase):
         return DeepseekMoe.from_config(config)
 
 
+def head_dim_sized_rope(config) -> RotaryEmbedding:
+    """deepseek_rope for a model whose HF rope tables are head_dim wide (Youtu, A.X K1): a
+    head_dim other than qk_rope_head_dim would not fit q_pe there, and is refused."""
+    head_dim = getattr(config, "head_dim", None)
+    if head_dim is not None and head_dim != config.qk_rope_head_dim:
+        raise ValueError(
+            f"config head_dim={head_dim} is not supported for model_type "
+            f"{config.model_type!r}: it must be qk_rope_head_dim={config.qk_rope_head_dim}"
+        )
+    return deepseek_rope(config)
+
+
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
     """DeepSeek-V3 / R1, Moonlight, Kimi K2: sigmoid routers with a correction bias."""
 
@@ -277,3 +289,14 @@ class Glm4MoeLiteForCausalLM(DeepseekV2ForCausalLM):
         if types[layer_idx] == "dense":
             return LlamaMLP(config, bias=False)
         return DeepseekMoe.from_config(config)
+
+    @classmethod
+    def build_rope(cls, config) -> RotaryEmbedding:
+        rope = deepseek_rope(config)
+        if rope.rotary_dim != config.qk_rope_head_dim:  # HF's cos / sin would not fit q_pe
+            raise ValueError(
+                f"config partial_rotary_factor={rope_config(config)[2]} is not supported for "
+                f"model_type {config.model_type!r}: its rope turns all qk_rope_head_dim="
+                f"{config.qk_rope_head_dim} dims"
+            )
+        return rope

@@ -128,6 +128,11 @@ class ExaoneMoeForCausalLM(MixtralForCausalLM):
 class HYV3ForCausalLM(ExaoneMoeForCausalLM):
     scaling_name = "router_scaling_factor"
 
+    def __init__(self, config) -> None:
+        if getattr(config, "mlp_bias", False):  # HF's dense and shared MLPs then have biases
+            raise ValueError("HY-V3 with MLP biases (config.mlp_bias=True) is not supported")
+        super().__init__(config)
+
     @classmethod
     def layer_flags(cls, config) -> dict[str, bool]:
         return {**LlamaForCausalLM.layer_flags(config), "qk_norm": True}

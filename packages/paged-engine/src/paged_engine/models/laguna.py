@@ -195,7 +195,9 @@ class LagunaForCausalLM(ExaoneMoeForCausalLM):
             attention = cls.build_attention(config, i, flags, rope)
             return MoeDecoderLayer(config, i, flags, None, cls.build_mlp(config, i), attention)
 
-        CausalLMBase.__init__(self, config, LayerTypeRopeModel(config, build))
+        head_dim, view = llama_head_dim(config), per_type_rope_view(config)
+        inner = LayerTypeRopeModel(config, build, lambda t: get_rope(view, head_dim, layer_type=t))
+        CausalLMBase.__init__(self, config, inner)
         # Expert rules first: the dense rules' ".gate_proj" would also match an expert's name.
         rules = expert_rules(num_experts(config), *self.expert_names)
         self.stacked_params = (*rules, *cls.stacked_params)
@@ -226,11 +228,19 @@ class LagunaForCausalLM(ExaoneMoeForCausalLM):
         return CausalLMBase.rename_weight(self, name)  # `renames`
 
 
+def per_type_rope_view(config):
+    """`config` for rope_config: HF's Laguna / Mellum read partial_rotary_factor from each
+    rope_parameters[layer_type] alone (default 1), never from the config's top level."""
+    view = copy.copy(config)
+    view.partial_rotary_factor = None
+    return view
+
+
 class MellumForCausalLM(LagunaForCausalLM):
     @classmethod
     def check_config(cls, config) -> None:
         for t in dict.fromkeys(gemma_layer_types(config, every=1)):
-            partial = rope_config(config, t)[2]
+            partial = rope_config(per_type_rope_view(config), t)[2]
             if partial != 1.0:
                 raise ValueError(
                     f"config.rope_parameters[{t!r}].partial_rotary_factor={partial} is not "

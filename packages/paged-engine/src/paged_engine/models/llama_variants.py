@@ -60,7 +60,9 @@ class InternLMForCausalLM(LlamaForCausalLM):
 class CwmForCausalLM(LlamaForCausalLM):
     @classmethod
     def layer_flags(cls, config) -> dict[str, bool]:
-        return {**super().layer_flags(config), "sliding": True}
+        # HF's CWM attention has no biases whatever attention_bias says
+        flags = super().layer_flags(config)
+        return {**flags, "qkv_bias": False, "o_bias": False, "sliding": True}
 
 
 class MiMoForCausalLM(Qwen2ForCausalLM):

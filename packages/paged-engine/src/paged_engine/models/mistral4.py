@@ -45,6 +45,11 @@ def mistral4_rope(config) -> RotaryEmbedding:
     """The shared rope: HF's over int(head_dim * partial_rotary_factor) dims of the qk head,
     which must be the qk_rope_head_dim rotary dims; applied to those parts alone."""
     head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
+    if getattr(config, "head_dim", head_dim) != head_dim:  # HF sizes its rope by head_dim
+        raise ValueError(
+            f"config head_dim={config.head_dim} is not supported for Mistral 4: it must be "
+            f"qk_nope_head_dim + qk_rope_head_dim = {head_dim}"
+        )
     interleave = bool(getattr(config, "rope_interleave", True))
     rope = get_rope(config, head_dim, is_neox_style=not interleave)
     if rope.rotary_dim != config.qk_rope_head_dim:

@@ -18,7 +18,12 @@ from __future__ import annotations
 
 from torch import nn
 
-from paged_engine.models.deepseek_v2 import DeepseekModel, DeepseekV2ForCausalLM
+from paged_engine.layers.rotary import RotaryEmbedding
+from paged_engine.models.deepseek_v2 import (
+    DeepseekModel,
+    DeepseekV2ForCausalLM,
+    head_dim_sized_rope,
+)
 from paged_engine.models.llama import LlamaMLP
 from paged_engine.models.utils import CausalLMBase
 
@@ -33,6 +38,10 @@ class YoutuForCausalLM(DeepseekV2ForCausalLM):
         inner = DeepseekModel(config, cls.build_mlp, cls.attention_cls, cls.build_rope(config))
         CausalLMBase.__init__(self, config, inner)
         self.stacked_params = cls.stacked_params  # no experts
+
+    @classmethod
+    def build_rope(cls, config) -> RotaryEmbedding:
+        return head_dim_sized_rope(config)
 
     @classmethod
     def build_mlp(cls, config, layer_idx: int) -> nn.Module:

@@ -30,20 +30,20 @@ Regressions:
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-from hf_reference import assert_matches, hf_greedy, load_hf_model
+from config_variant_check import (
+    CHUNKED_PREFIX_CACHE,
+    assert_refused,
+    hf_refs,
+    serve_and_compare,
+)
 
-from paged_engine import LLM, SamplingParams
 from paged_engine.testing import write_tiny_model
 
 pytest.importorskip("transformers")
 
-MAX_TOKENS = 5
 LENGTHS = (5, 20, 60)  # the windows below are 8 tokens: the later two prompts slide
 
 _YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
@@ -277,58 +277,27 @@ CHUNKED = [
 ]
 
 
-def _refs(path: Path, use_cache: bool = True) -> tuple[list[list[int]], list]:
-    hf = load_hf_model(path)
-    gen = torch.Generator().manual_seed(len(LENGTHS))
-    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in LENGTHS]
-    return prompts, [hf_greedy(hf, p, MAX_TOKENS, 3, use_cache=use_cache) for p in prompts]
-
-
-def _serve(
-    name: str, path: Path, prompts: list, refs: list, passes: int = 1, **engine_kwargs
-) -> None:
-    llm = LLM(model=str(path), dtype="float32", max_model_len=128, block_size=16, **engine_kwargs)
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=3)
-    try:
-        for _ in range(passes):
-            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-            for out, ref in zip(outs, refs, strict=True):
-                assert_matches(name, out, ref)
-        assert llm.get_stats().num_used_blocks == 0
-    finally:
-        llm.llm_engine.shutdown()
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_dense_config_variant_matches_hf(case, tmp_path):
     arch, overrides = CASES[case]
     path = write_tiny_model(tmp_path, arch, seed=1, **overrides)
-    prompts, refs = _refs(path)
-    _serve(case, path, prompts, refs)
+    prompts, refs = hf_refs(path, LENGTHS)
+    serve_and_compare(case, path, prompts, refs)
 
 
 @pytest.mark.parametrize("arch", WINDOW_IGNORED)
 def test_sliding_window_hf_never_reads_is_ignored(arch, tmp_path):
     path = write_tiny_model(tmp_path, arch, seed=1, sliding_window=8)
-    prompts, refs = _refs(path, use_cache=False)
-    _serve(f"{arch}-sliding_window-ignored", path, prompts, refs)
+    prompts, refs = hf_refs(path, LENGTHS, use_cache=False)
+    serve_and_compare(f"{arch}-sliding_window-ignored", path, prompts, refs)
 
 
 @pytest.mark.parametrize("case", CHUNKED)
 def test_dense_config_variant_chunked_prefill_and_prefix_cache(case, tmp_path):
     arch, overrides = CASES[case]
     path = write_tiny_model(tmp_path, arch, seed=1, **overrides)
-    prompts, refs = _refs(path)
-    _serve(
-        case,
-        path,
-        prompts,
-        refs,
-        passes=2,
-        enable_chunked_prefill=True,
-        max_num_batched_tokens=16,
-        enable_prefix_caching=True,
-    )
+    prompts, refs = hf_refs(path, LENGTHS)
+    serve_and_compare(case, path, prompts, refs, passes=2, **CHUNKED_PREFIX_CACHE)
 
 
 # id -> (tiny arch, overrides HF builds, config.json edits after saving, what the error names)
@@ -393,10 +362,4 @@ REFUSED: dict[str, tuple[str, dict[str, Any], dict[str, Any], str]] = {
 
 @pytest.mark.parametrize("case", list(REFUSED))
 def test_unservable_dense_config_is_refused_by_name(case, tmp_path):
-    arch, overrides, edits, match = REFUSED[case]
-    path = write_tiny_model(tmp_path, arch, seed=1, **overrides)
-    config = json.loads((path / "config.json").read_text())
-    config.update(edits)
-    (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=match):
-        LLM(model=str(path), dtype="float32", max_model_len=128, block_size=16)
+    assert_refused(tmp_path, *REFUSED[case])

@@ -545,17 +545,11 @@ class LLM:
             return prompts, params
         max_len = self.llm_engine.config.max_model_len
         assert max_len is not None
-        ip = self.llm_engine.input_processor
-        other = ("multi_modal_data", "prompt_embeds", "encoder_prompt", "decoder_prompt")
         out_prompts, out_params = [], []
         for prompt, p in zip(prompts, params, strict=True):
             keep = getattr(p, "truncate_prompt_tokens", None)
             if keep is not None:
-                if (
-                    (isinstance(prompt, dict) and any(k in prompt for k in other))
-                    or ip.encoder_prompts is not None
-                    or ip.audios is not None
-                ):
+                if not self._decoder_text_prompt(prompt):
                     raise ValueError(
                         "tokenization_kwargs['truncation_side'] applies to the text and "
                         "token-id prompts of a decoder-only text model only"
@@ -577,6 +571,14 @@ class LLM:
             out_prompts.append(prompt)
             out_params.append(p)
         return out_prompts, out_params
+
+    def _decoder_text_prompt(self, prompt: PromptType) -> bool:
+        """Whether `prompt` is text or token ids alone, for a decoder-only text model: what
+        tokenization_kwargs' own encoding and truncation apply to."""
+        ip = self.llm_engine.input_processor
+        if ip.encoder_prompts is not None or ip.audios is not None:
+            return False
+        return not (isinstance(prompt, dict) and any(k in prompt for k in _NOT_TEXT_KEYS))
 
     def _tokenize_as(
         self, opts: TokenizationOptions, prompts: list[PromptType], params: list[Any]
@@ -614,13 +616,7 @@ class LLM:
             if opts.keep is None and isinstance(ids, (list, tuple)):
                 _check_max_length(len(ids), opts.max_length)
             return prompt
-        ip = self.llm_engine.input_processor
-        other = ("multi_modal_data", "prompt_embeds", "encoder_prompt", "decoder_prompt")
-        if (
-            (isinstance(prompt, dict) and any(k in prompt for k in other))
-            or ip.encoder_prompts is not None
-            or ip.audios is not None
-        ):
+        if not self._decoder_text_prompt(prompt):
             raise ValueError(
                 "tokenization_kwargs add_special_tokens, do_lower_case and max_length (without "
                 "truncation) apply to the text and token-id prompts of a decoder-only text "
@@ -728,6 +724,10 @@ def _with_keep(params: Any, keep: int) -> Any:
     if params.truncate_prompt_tokens is not None:
         return params
     return dataclasses.replace(params, truncate_prompt_tokens=keep)
+
+
+# prompt keys that make a prompt more than text or token ids
+_NOT_TEXT_KEYS = ("multi_modal_data", "prompt_embeds", "encoder_prompt", "decoder_prompt")
 
 
 def _check_max_length(num_tokens: int, max_length: int | None) -> None:

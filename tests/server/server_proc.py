@@ -12,6 +12,7 @@ import http.client
 import json
 import os
 import signal
+import socket
 import ssl
 import subprocess
 import sys
@@ -114,6 +115,20 @@ class ServerProc:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             return -9
+
+
+def exchange(server: ServerProc, data: bytes) -> bytes:
+    """Everything the server sends back on one raw connection given `data`, until it closes
+    the connection."""
+    with socket.create_connection((server.host, server.port), timeout=10) as sock:
+        sock.sendall(data)
+        out = b""
+        try:
+            while chunk := sock.recv(65536):
+                out += chunk
+        except ConnectionResetError:  # closed with request bytes unread
+            pass
+        return out
 
 
 def launch(

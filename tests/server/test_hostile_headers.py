@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 import pytest
 from fake_engine import FakeEngine
-from server_proc import MAX_MODEL_LEN, ServerProc, serve_in_process
+from server_proc import MAX_MODEL_LEN, ServerProc, exchange, serve_in_process
 
 BODY = json.dumps({"prompt": "hello", "max_tokens": 2}).encode()
 # the smuggled "body": a second request a front proxy never saw
@@ -32,19 +32,6 @@ def fake() -> Iterator[ServerProc]:
     args = ["--max-model-len", str(MAX_MODEL_LEN), "--served-model-name", "tiny"]
     with serve_in_process(args, engine) as (http, _app):
         yield http
-
-
-def exchange(server: ServerProc, data: bytes) -> bytes:
-    """Everything the server sends back on one connection until it closes it."""
-    with socket.create_connection((server.host, server.port), timeout=10) as sock:
-        sock.sendall(data)
-        out = b""
-        try:
-            while chunk := sock.recv(65536):
-                out += chunk
-        except ConnectionResetError:
-            pass
-        return out
 
 
 def request(head: str, body: bytes) -> bytes:

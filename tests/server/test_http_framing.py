@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import pytest
 from fake_engine import FakeEngine
-from server_proc import MAX_MODEL_LEN, ServerProc, serve_in_process
+from server_proc import MAX_MODEL_LEN, ServerProc, exchange, serve_in_process
 
 from paged_server import http as paged_http
 from paged_server.http import Server
@@ -33,19 +33,6 @@ def fake() -> Iterator[ServerProc]:
     engine = FakeEngine(max_model_len=MAX_MODEL_LEN, step_time=0.001)
     with serve_in_process(ARGS, engine) as (http, _app):
         yield http
-
-
-def exchange(server: ServerProc, data: bytes) -> bytes:
-    """Everything the server sends back on one connection until it closes it."""
-    with socket.create_connection((server.host, server.port), timeout=10) as sock:
-        sock.sendall(data)
-        out = b""
-        try:
-            while chunk := sock.recv(65536):
-                out += chunk
-        except ConnectionResetError:  # closed with request bytes unread
-            pass
-        return out
 
 
 def post(head: bytes, body: bytes = BODY, path: bytes = b"/v1/completions") -> bytes:

@@ -16,12 +16,13 @@ Regressions:
 - head_dim apart from the MLA dims: Mistral 4 (transformers sizes its rope by head_dim) once
   served another rope; Youtu and A.X K1 (cos / sin head_dim wide: transformers cannot run it)
   were served.
-- CWM's and MiniMax's attention_bias and OLMo's mlp_bias (transformers' have no such biases)
-  asked for biases the checkpoint lacks;
+- CWM's, MiniMax's and MiniMax-M2's attention_bias and OLMo's mlp_bias (transformers' have no
+  such biases) asked for biases the checkpoint lacks;
   LFM3's (transformers' has them) left the checkpoint's biases unread; HY-V3's mlp_bias (biased
   dense and shared MLPs) failed at load without naming the field.
 - mlp_bias on the DeepSeek-style MoE models whose transformers MLPs never read it (GLM-4.5 MoE,
-  DeepSeek-V3, Mistral 4, ...; layers/deepseek_moe.py MLP_BIAS_IGNORED_MODEL_TYPES) was refused.
+  DeepSeek-V3, Mistral 4, dots.llm1, ...; layers/deepseek_moe.py MLP_BIAS_IGNORED_MODEL_TYPES)
+  was refused.
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ MATCHES: dict[str, tuple[str, dict[str, Any]]] = {
     "glm4_moe-mlp_bias": ("glm4_moe", {"mlp_bias": True}),
     "olmo-mlp_bias": ("olmo", {"mlp_bias": True}),
     "minimax-attention_bias": ("minimax", {"attention_bias": True}),
+    "minimax_m2-attention_bias": ("minimax_m2", {"attention_bias": True}),
+    "dots1-mlp_bias": ("dots1", {"mlp_bias": True}),
     # matched before
     "llama-biases-head_dim-tied": (
         "llama",

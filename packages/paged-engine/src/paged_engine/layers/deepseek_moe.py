@@ -208,6 +208,7 @@ MLP_BIAS_IGNORED_MODEL_TYPES = frozenset(
     {
         "deepseek_v3",
         "deepseek_v32",
+        "dots1",
         "glm4_moe",
         "glm4_moe_lite",
         "glm_moe_dsa",

@@ -32,9 +32,8 @@ from typing import Any
 
 import pytest
 import torch
-from hf_reference import assert_matches, hf_greedy, load_hf_model
+from config_variant_check import assert_refused, hf_refs, serve_and_compare
 
-from paged_engine import LLM, SamplingParams
 from paged_engine.testing import tiny_config, write_tiny_model
 
 pytest.importorskip("transformers")
@@ -123,27 +122,14 @@ WHOLE_HEAD_ARCHS = [
 def test_swept_config_matches_hf(case: str, tmp_path: Path) -> None:
     arch, overrides = MATCHES[case]
     path = write_tiny_model(tmp_path, arch, seed=1, **overrides)
-    hf = load_hf_model(path)
-    gen = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in LENGTHS]
-    refs = [hf_greedy(hf, p, MAX_TOKENS, 3) for p in prompts]
-    llm = LLM(model=str(path), dtype="float32", max_model_len=128, block_size=16)
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=3)
-    try:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        for out, ref in zip(outs, refs, strict=True):
-            assert_matches(case, out, ref)
-        assert llm.get_stats().num_used_blocks == 0
-    finally:
-        llm.llm_engine.shutdown()
+    prompts, refs = hf_refs(path, LENGTHS, max_tokens=MAX_TOKENS, seed=3)
+    serve_and_compare(case, path, prompts, refs, max_tokens=MAX_TOKENS)
 
 
 @pytest.mark.parametrize("case", list(REFUSED))
 def test_swept_config_transformers_cannot_run_is_refused_by_name(case: str, tmp_path) -> None:
     arch, overrides, match = REFUSED[case]
-    path = write_tiny_model(tmp_path, arch, seed=1, **overrides)
-    with pytest.raises(ValueError, match=match):
-        LLM(model=str(path), dtype="float32", max_model_len=128, block_size=16)
+    assert_refused(tmp_path, arch, overrides, {}, match)
 
 
 @pytest.mark.parametrize("arch", WHOLE_HEAD_ARCHS)

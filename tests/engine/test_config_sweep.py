@@ -22,7 +22,7 @@ Regressions:
   dense and shared MLPs) failed at load without naming the field.
 - mlp_bias on the DeepSeek-style MoE models whose transformers MLPs never read it (GLM-4.5 MoE,
   DeepSeek-V3, Mistral 4, dots.llm1, ...; layers/deepseek_moe.py MLP_BIAS_IGNORED_MODEL_TYPES)
-  was refused.
+  was refused; so was DeepSeek-V4's (transformers biases its shared expert).
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ MATCHES: dict[str, tuple[str, dict[str, Any]]] = {
     "minimax-attention_bias": ("minimax", {"attention_bias": True}),
     "minimax_m2-attention_bias": ("minimax_m2", {"attention_bias": True}),
     "dots1-mlp_bias": ("dots1", {"mlp_bias": True}),
+    "deepseek_v4-mlp_bias": ("deepseek_v4", {"mlp_bias": True}),  # biased shared expert
     # matched before
     "llama-biases-head_dim-tied": (
         "llama",
@@ -153,3 +154,9 @@ def test_rope_turns_what_transformers_turns(arch: str) -> None:
         model = get_model_class(config)(config)
     got = {m.rotary_dim for m in model.modules() if isinstance(m, RotaryEmbedding)}
     assert want and got == want, f"{arch}: rope dims {got}, transformers' {want}"
+
+
+def test_config_class_validation_refused_by_name(tmp_path: Path) -> None:
+    """DBRX's config class rejects tie_word_embeddings (transformers cannot load it): a
+    ValueError naming the field, not the hub's validation error."""
+    assert_refused(tmp_path, "dbrx", {}, {"tie_word_embeddings": True}, "tie_word_embeddings")

@@ -130,6 +130,11 @@ def load_hf_config(
         return with_kv_head_count(mistral_hf_config(resolved.path))
     from transformers import AutoConfig
 
+    try:  # huggingface_hub's strict dataclasses, which transformers 5's config classes use
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:  # an older hub: no such validators, nothing to catch
+        StrictDataclassError = ()  # type: ignore[assignment,misc]
+
     from paged_engine.models.ultravox_config import register as register_ultravox
     from paged_engine.models.ultravox_linked import remember_hub
 
@@ -141,11 +146,14 @@ def load_hf_config(
 
     # the Hub's remote-code InternVL: its config.json read as InternVLConfig, no remote code;
     # remote-code text families (Qwen v1, Baichuan, RW...): translated (models/remote_aliases.py)
-    config = (
-        chat_config(resolved.path)
-        or remote_config(resolved.path)
-        or AutoConfig.from_pretrained(resolved.path, trust_remote_code=trust_remote_code)
-    )
+    try:
+        config = (
+            chat_config(resolved.path)
+            or remote_config(resolved.path)
+            or AutoConfig.from_pretrained(resolved.path, trust_remote_code=trust_remote_code)
+        )
+    except StrictDataclassError as e:  # a field the config class's validators reject
+        raise ValueError(f"config.json: {e}") from e
     # A vision-language wrapper: its text model's config, served text-only (multimodal_text.py)
     return with_kv_head_count(text_only_config(config, resolved.path))
 

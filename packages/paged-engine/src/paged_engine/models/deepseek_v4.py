@@ -42,7 +42,7 @@ every token; V4's scores compressed entries and is kept here.
 
 Refused by name: pipeline parallelism (the streams), CUDA graphs and an fp8 KV cache (the
 records are read back on the host's schedule, in the model dtype), hidden_act other than SiLU,
-mlp_bias, unknown scoring_func / layer_types / mlp_layer_types. Checkpoints: the names
+unknown scoring_func / layer_types / mlp_layer_types. Checkpoints: the names
 transformers saves (the release's); the release's `mtp.*` layers are skipped.
 """
 
@@ -343,10 +343,10 @@ class SharedExpert(nn.Module):
     """`shared_experts` (w1 | w3 stacked as gate_up_proj, w2 as down_proj) with the clamp;
     [T, H] -> this rank's partial sum."""
 
-    def __init__(self, hidden: int, inter: int, limit: float) -> None:
+    def __init__(self, hidden: int, inter: int, limit: float, bias: bool = False) -> None:
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], False)
-        self.down_proj = PartialRowLinear(inter, hidden, False)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], bias)
+        self.down_proj = PartialRowLinear(inter, hidden, bias)
         self.act = ClampedSiluAndMul(limit)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -388,14 +388,14 @@ class V4Moe(nn.Module):
 
     def __init__(self, config, hashed: bool) -> None:
         super().__init__()
-        if cfg_get(config, "mlp_bias", False):
-            raise ValueError("DeepSeek-V4 has no MLP biases (config.mlp_bias=True)")
         hidden, inter = config.hidden_size, int(config.moe_intermediate_size)
         limit = float(config.swiglu_limit)
         self.gate = Router(config, hashed)
         experts = num_routed_experts(config)
         self.experts = ActExperts(ClampedSiluAndMul(limit), experts, hidden, inter)
-        self.shared_experts = SharedExpert(hidden, inter, limit)
+        # mlp_bias: the shared expert's three projections alone (as transformers')
+        bias = bool(cfg_get(config, "mlp_bias", False))
+        self.shared_experts = SharedExpert(hidden, inter, limit, bias)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         weights, chosen = self.gate(x, ids)

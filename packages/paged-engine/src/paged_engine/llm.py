@@ -44,9 +44,9 @@ from paged_engine.pooling import (
     EmbeddingRequestOutput,
     PoolingParams,
     PoolingRequestOutput,
-    check_truncation,
     encode_truncated,
     truncated,
+    truncation_limit,
 )
 from paged_engine.sampling_params import BeamSearchParams, SamplingParams
 from paged_engine.scoring import (
@@ -425,9 +425,7 @@ class LLM:
                     keep = pooling_params.truncate_prompt_tokens
                 max_len = self.llm_engine.config.max_model_len
                 assert max_len is not None
-                if keep is not None:
-                    check_truncation(keep, max_len)
-                limit = max_len if keep == -1 else keep
+                limit = truncation_limit(keep, max_len)
                 prompts = [
                     {"prompt_token_ids": pair_prompt(tokenizer, first[i], second[j], names, limit)}
                     for i, j in pairs

@@ -102,6 +102,18 @@ def check_truncation(keep: int, max_model_len: int) -> None:
         )
 
 
+def truncation_limit(keep: int | None, max_model_len: int, *, generate: bool = False) -> int | None:
+    """How many tokens `truncate_prompt_tokens=keep` keeps, checked (check_truncation): -1 is
+    as many as a prompt may hold, max_model_len for pooling (vLLM's pooling runner) and
+    max_model_len - 1 when `generate` (room for a token); None: no cut."""
+    if keep is None:
+        return None
+    check_truncation(keep, max_model_len)
+    if keep == -1:
+        return max_model_len - 1 if generate else max_model_len
+    return keep
+
+
 def truncated(
     token_ids: list[int],
     keep: int | None,
@@ -110,19 +122,13 @@ def truncated(
     generate: bool = False,
     side: str = "left",
 ) -> list[int]:
-    """`truncate_prompt_tokens`: `keep` of the prompt's tokens, its last ones when `side` is
-    "left" (the start cut off), its first ones when "right" (vLLM's tokenizer truncation_side);
-    -1: as many as a prompt may hold: max_model_len for pooling, as vLLM's pooling runner;
-    max_model_len - 1 when `generate`, leaving room for a token. `token_ids` itself when
-    nothing is cut."""
-    if keep is None:
+    """`truncate_prompt_tokens`: `truncation_limit(keep)` of the prompt's tokens, its last
+    ones when `side` is "left" (the start cut off), its first ones when "right" (vLLM's
+    tokenizer truncation_side). `token_ids` itself when nothing is cut."""
+    limit = truncation_limit(keep, max_model_len, generate=generate)
+    if limit is None or len(token_ids) <= limit:
         return token_ids
-    check_truncation(keep, max_model_len)
-    if keep == -1:
-        keep = max_model_len - 1 if generate else max_model_len
-    if len(token_ids) <= keep:
-        return token_ids
-    return token_ids[-keep:] if side == "left" else token_ids[:keep]
+    return token_ids[-limit:] if side == "left" else token_ids[:limit]
 
 
 def encode_truncated(
@@ -140,10 +146,9 @@ def encode_truncated(
     tokens it adds ([CLS] ... [SEP], BOS) stay and the text is cut on `side` (default: the
     tokenizer's truncation_side); `truncated` then slices what still exceeds `keep` (a `keep`
     smaller than the special tokens, which HF leaves uncut). Token-id prompts: `truncated`."""
-    if keep is None:
+    limit = truncation_limit(keep, max_model_len, generate=generate)
+    if limit is None:
         return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
-    check_truncation(keep, max_model_len)
-    limit = (max_model_len - 1 if generate else max_model_len) if keep == -1 else keep
     own = getattr(tokenizer, "truncation_side", "left")
     side = side or own
     try:

@@ -30,7 +30,7 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from paged_engine.pooling import PoolingParams, encode_truncated, truncated
+from paged_engine.pooling import PoolingParams, encode_truncated, truncated, truncation_limit
 from paged_server.errors import bad_request
 from paged_server.openai_protocol import parse_chat
 from paged_server.pooling_media import chat_prompt
@@ -219,10 +219,11 @@ def text_tokens(
     tokens = app._encode(text, add_special_tokens)
     if truncate is None:
         return tokens, False
-    limit = app.max_model_len - (1 if generate else 0) if truncate == -1 else truncate
     try:
+        limit = truncation_limit(truncate, app.max_model_len, generate=generate)
+        assert limit is not None
         if len(tokens) <= limit:
-            return truncated(tokens, truncate, app.max_model_len, generate=generate), False
+            return tokens, False
         with app.tok_lock:
             cut = encode_truncated(
                 app.tokenizer,

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from paged_engine import jina_vl_scoring
-from paged_engine.pooling import PoolingParams
+from paged_engine.pooling import PoolingParams, truncation_limit
 from paged_engine.scoring import cosine_scores, cross_encoder_scores, pair_indices, pair_prompt
 from paged_server.embeddings import (
     list_answer,
@@ -233,9 +233,10 @@ def _cross_encoder(
     jina = jina_vl_scoring.serves(info)
     sides = _loaded(app, req) if jina else {}
     ids: list[list[int] | dict] = []
-    keep = req.truncate_prompt_tokens  # a text pair is cut by the tokenizer (vLLM)
-    truncated_tokens(app, [], keep)  # (a 400 when it exceeds max_model_len)
-    limit = app.max_model_len if keep == -1 else keep
+    try:  # a text pair is cut by the tokenizer (vLLM)
+        limit = truncation_limit(req.truncate_prompt_tokens, app.max_model_len)
+    except ValueError as e:
+        raise bad_request(str(e), "truncate_prompt_tokens") from None
     for k, (i, j) in enumerate(pairs):
         query, doc = req.first[i], req.second[j]
         media = [s for s in (doc, query) if isinstance(s, MediaSide)]

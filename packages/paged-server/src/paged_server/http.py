@@ -82,10 +82,16 @@ def _framing_error(headers: Any) -> str | None:
         if len(digits) > _MAX_LENGTH_DIGITS or int(digits) >= 1 << 64:
             return "Content-Length overflow"
     if te:
-        codings = [c.strip(" \t").lower() for value in te for c in value.split(",")]
+        codings = _codings(te)
         if codings[-1] != "chunked" or "chunked" in codings[:-1]:
             return f"invalid Transfer-Encoding {', '.join(te)!r:.60}: chunked must end it, once"
     return None
+
+
+def _codings(te: list[str]) -> list[str]:
+    """The codings of a request's Transfer-Encoding headers, in order, lowercased ("" for an
+    empty one, which no valid framing holds)."""
+    return [c.strip(" \t").lower() for value in te for c in value.split(",")]
 
 
 def _target_path(target: str) -> tuple[str, str]:
@@ -543,7 +549,7 @@ class Handler(BaseHTTPRequestHandler):
         which llhttp lets through) is a 501 that closes: no coding but chunked is undone."""
         te = self.headers.get_all("Transfer-Encoding")
         if te:
-            codings = [c.strip(" \t").lower() for v in te for c in v.split(",")]
+            codings = _codings(te)
             keep_open = not self.close_connection
             self.close_connection = True  # until the body is read to its end
             if codings != ["chunked"]:

@@ -263,7 +263,6 @@ def test_lora_options_are_checked(tiny_llama_dir):
         ({"max_loras": 0}, "max_loras"),
         ({"max_lora_rank": -1}, "max_lora_rank"),
         ({"max_loras": 2, "max_cpu_loras": 1}, "max_cpu_loras"),
-        ({"enable_lora": True, "pipeline_parallel_size": 2}, "pipeline_parallel_size"),
         ({"enable_lora": True, "batch_invariant": True}, "batch_invariant"),
         ({"enable_lora": True, "compilation_config": 1}, "compilation_config"),
     ):

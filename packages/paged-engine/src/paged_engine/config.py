@@ -487,7 +487,6 @@ class EngineConfig:
         if not self.enable_lora:
             return
         unsupported = {
-            "pipeline_parallel_size > 1": self.pipeline_parallel_size > 1,
             "batch_invariant=True": self.batch_invariant,
             "compilation_config (torch.compile)": bool(level),
         }

@@ -42,6 +42,7 @@ from paged_engine.distributed.communication import (
     broadcast_object,
     broadcast_object_async,
     every_rank_failed,
+    gather_object,
     wait_sends,
 )
 from paged_engine.distributed.launch import (
@@ -201,16 +202,22 @@ class MultiprocExecutor(Executor):
             raise self._died(e) from e
 
     def add_lora(self, lora_id: int, path: str) -> None:
-        # Rank 0 first: an adapter that does not fit fails here, before any other rank saw
-        # the call (a failure after the broadcast would leave the ranks out of step).
+        # Rank 0 first: an adapter that does not fit its part fails here, before any other
+        # rank saw the call. The others report instead of raising (a raise would end the
+        # rank): a later pipeline stage's layers, or another shard's rows, may not fit either.
         if self._dead is not None:
             raise EngineDeadError(self._dead)
         self.worker.add_lora(lora_id, path)
-        if self.world_size > 1:
-            try:
-                broadcast_object(("add_lora", (lora_id, path)))
-            except Exception as e:
-                raise self._died(e) from e
+        if self.world_size == 1:
+            return
+        try:
+            broadcast_object(("add_lora", (lora_id, path, True)))
+            errors = [e for e in gather_object(None) or [] if e is not None]
+        except Exception as e:
+            raise self._died(e) from e
+        if errors:  # every rank drops it: as if it was never loaded
+            self.remove_lora(lora_id)
+            raise ValueError(errors[0])
 
     def remove_lora(self, lora_id: int) -> None:
         self._call("remove_lora", lora_id)

@@ -8,7 +8,10 @@ v of a fused qkv_proj, gate / up of gate_up_proj). The layer's own `weight_loade
 rank's shard out of B (column-parallel layers) or A (row-parallel layers), so an adapter loads
 the same way at any tensor-parallel size. A vision-language wrapper's names (served text-only:
 models/multimodal_text.py) are mapped first, as its weights are; its vision tower's modules are
-not loaded (the tower never runs).
+not loaded (the tower never runs). Under pipeline parallelism a stage holds slots only on its
+own decoder layers (the others are `PPMissingLayer`s here) and packs only their modules; the
+stage holding a module checks it, and every rank learns of a failure
+(executor/multiproc.py `add_lora`).
 
 A linear layer that loads through a loader of its own (the hybrid mixers' input projections:
 segments regrouped or cut one by one, or a layer built at this rank's size with tp_size 1)
@@ -34,6 +37,7 @@ from paged_engine.layers.linear import (
 from paged_engine.lora.adapter import PeftAdapter
 from paged_engine.lora.layers import LoRAMapping, LoRAWeights
 from paged_engine.models.multimodal_text import text_model_weights
+from paged_engine.models.utils import PPMissingLayer
 
 logger = logging.getLogger(__name__)
 
@@ -141,15 +145,17 @@ class LoRAModel:
 
     # ---- packing ----------------------------------------------------------------------------
     def _route(self, module: str, b: torch.Tensor):
-        """(layer name, sub-projection, shard id, B rows of it) for one adapter module; none
-        for a module of a vision-language wrapper's vision tower, which is not served."""
+        """(layer name, sub-projection, shard id, B rows of it) for each piece of one adapter
+        module this rank holds: none for a piece in another pipeline stage's layers (that stage
+        checks and loads it); None for a module of a vision-language wrapper's vision tower,
+        which is not served."""
         model = self.model
         name = f"{module}.weight"
         config = getattr(model, "config", None)
         if config is not None:  # a VLM wrapper's language-model names, as the loader maps them
             mapped = list(text_model_weights([(name, b)], config))
             if not mapped:
-                return []
+                return None
             ((name, b),) = mapped
         name = model.rename_weight(name)
         routed = []
@@ -160,6 +166,8 @@ class LoRAModel:
                 pname, shard_id = pname.replace(rule[1], rule[0]), rule[2]
             layer_name = pname.removesuffix(".weight")
             layer = self.layers.get(layer_name)
+            if layer is None and _on_other_stage(model, layer_name):
+                continue
             if ".experts." in pname:
                 raise ValueError(
                     f"module {module!r} is a mixture-of-experts expert: LoRA on experts is not "
@@ -190,8 +198,9 @@ class LoRAModel:
         for module, lm in adapter.modules.items():
             try:
                 routed = self._route(module, lm.b.to(torch.float32) * lm.scale)
-                if not routed:
+                if routed is None:
                     vision.append(module)
+                    continue
                 r = lm.a.shape[0]
                 for layer_name, sub, shard_id, b in routed:
                     if (layer_name, sub) in seen:
@@ -262,6 +271,19 @@ class LoRAModel:
 
     def nbytes(self) -> int:
         return sum(layer.lora.nbytes() for layer in self.layers.values())
+
+
+def _on_other_stage(model: nn.Module, name: str) -> bool:
+    """Whether module path `name` runs through a `PPMissingLayer`: a decoder layer that another
+    pipeline stage builds (vLLM's LoRA manager likewise wraps only the layers a stage owns)."""
+    module: nn.Module | None = model
+    for part in name.split("."):
+        module = getattr(module, part, None)
+        if module is None or not isinstance(module, nn.Module):
+            return False
+        if isinstance(module, PPMissingLayer):
+            return True
+    return False
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:

@@ -416,12 +416,22 @@ class Worker:
             )
         return self.profiler
 
-    def add_lora(self, lora_id: int, path: str) -> None:
-        """Read and pack an adapter into host memory; ValueError when it does not fit."""
-        lora = self.model_runner.lora
-        if lora is None:
-            raise ValueError("lora_request needs an engine started with enable_lora=True")
-        lora.add(lora_id, path)
+    def add_lora(self, lora_id: int, path: str, report: bool = False) -> None:
+        """Read and pack this rank's part of an adapter into host memory; ValueError when it
+        does not fit. `report` (ranks > 0, after rank 0 packed its part): the error is not
+        raised but gathered to rank 0 (None: packed), so no rank leaves the world over it."""
+        try:
+            lora = self.model_runner.lora
+            if lora is None:
+                raise ValueError("lora_request needs an engine started with enable_lora=True")
+            lora.add(lora_id, path)
+        except ValueError as e:
+            if not report:
+                raise
+            gather_object(str(e))
+            return
+        if report:
+            gather_object(None)
 
     def remove_lora(self, lora_id: int) -> None:
         if self.model_runner.lora is not None:

@@ -266,6 +266,9 @@ class OpenAIApp:
             }.get(sub)
         if methods is None:
             raise APIError(404, f"route {path} not found", code="not_found")
+        if route != path:  # a trailing "/": Starlette's redirect_slashes, whatever the method
+            h.redirect(route)
+            return
         fn = methods.get("GET" if method == "HEAD" else method)
         if fn is None:
             allow = ", ".join(methods)

@@ -109,11 +109,13 @@ class ReplicaRouter:
         return self._dispatch(handler, method, path)
 
     def _dispatch(self, handler: Handler, method: str, path: str) -> None:
+        route = path.rstrip("/")
+        if route and route != path:  # a replica would redirect (app.py), its Location unrelayed
+            return handler.redirect(route)
         if path == "/health":
             return self._health(handler)
         if path == "/metrics":
             return self._metrics(handler)
-        route = path.rstrip("/")
         if route.startswith(_RESPONSE_ROUTE) and method == "GET" and _streamed(handler.path):
             holder = self._holder(handler, route[len(_RESPONSE_ROUTE) :])
             if holder is not None:  # a background response's events, relayed as they come

@@ -1,15 +1,17 @@
 """The standard-library HTTP/1.1 server: one thread per connection, keep-alive, JSON and SSE.
 
 Invariants:
-- Every response is JSON (errors included), an SSE stream in chunked transfer encoding or a
-  CORS preflight's plain "OK", so a connection stays reusable after any response whose request
-  body was fully read. Every response carries the CORS headers of its request's Origin.
+- Every response is JSON (errors included), an SSE stream in chunked transfer encoding, a
+  CORS preflight's plain "OK" or a redirect's empty body, so a connection stays reusable after
+  any response whose request body was fully read. Every response carries the CORS headers of
+  its request's Origin.
 - A request body is framed by one Content-Length or by chunked transfer encoding, and read only
   while it stays under the size limit (a Content-Length is checked before any byte, chunks as
   their sizes arrive); a rejected body closes the connection instead of being drained.
 - Framing is unambiguous before any route runs: what llhttp (uvicorn's parser) refuses -- both
   framings at once, two Content-Lengths, one that is not 1*DIGIT or past 64 bits, a
   Transfer-Encoding whose last coding is not chunked or that repeats it -- is a 400 that closes.
+  An HTTP/1.0 request in chunked encoding is served, then its connection closes (RFC 9112 6.1).
 - Routes see the percent-decoded path (uvicorn's scope["path"], which Starlette routes on:
   `%2F` is a "/" there too); the query stays as sent.
 - Socket timeouts: `keep_alive_timeout` while waiting for the next request line, `io_timeout` for
@@ -37,7 +39,7 @@ import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Protocol
-from urllib.parse import unquote, urlsplit
+from urllib.parse import quote, unquote, urlsplit
 
 from paged_engine.unicode_text import find_lone_surrogate, surrogate_message
 from paged_server import __version__
@@ -56,6 +58,9 @@ _ACCEPT_PAUSE = 0.5  # seconds between accepts while out of descriptors
 _ACCEPT_REMIND = 60.0  # seconds between "still cannot accept" warnings while that lasts
 _MAX_LENGTH_DIGITS = 20  # a Content-Length under 2**64 (llhttp's limit), leading zeros aside
 _BAD_VALUE = re.compile(r"[\r\n\x00]")  # a folded line or a NUL in a header value
+# what a redirect's Location keeps as it is (Starlette's RedirectResponse: the rest is
+# percent-encoded, "%" included among the kept)
+_LOCATION_SAFE = ":/%#?=@[]!$&'()*+,;"
 # what the email parser notes of a header section it read in part (a multipart Content-Type
 # adds defects of its own, about the body it expected: not ours to judge)
 _HEADER_DEFECTS = (
@@ -90,8 +95,11 @@ def _framing_error(headers: Any) -> str | None:
 
 def _codings(te: list[str]) -> list[str]:
     """The codings of a request's Transfer-Encoding headers, in order, lowercased ("" for an
-    empty one, which no valid framing holds)."""
-    return [c.strip(" \t").lower() for value in te for c in value.split(",")]
+    empty one, which no valid framing holds). Spaces and tabs before a coding are dropped, only
+    spaces after it: llhttp (httptools, the parser uvicorn picks under vLLM, whose fastapi[standard]
+    installs it) reads "chunked\t" as another coding, so a request ending so is a 400 there and
+    here. (h11, uvicorn's fallback, drops the tab as whitespace around the value.)"""
+    return [c.lstrip(" \t").rstrip(" ").lower() for value in te for c in value.split(",")]
 
 
 def _target_path(target: str) -> tuple[str, str]:
@@ -103,6 +111,13 @@ def _target_path(target: str) -> tuple[str, str]:
     else:  # absolute-form ("http://h/x"), or "*"
         raw = urlsplit(target).path
     return raw, (unquote(raw) if "%" in raw else raw)
+
+
+def _target_query(target: str) -> str:
+    """A request target's query as sent, "" when it has none."""
+    if target.startswith("/"):
+        return target.partition("#")[0].partition("?")[2]
+    return urlsplit(target).query
 
 
 def _significant(length: str) -> str:
@@ -412,6 +427,11 @@ class Handler(BaseHTTPRequestHandler):
         if error is not None:
             self.send_error(400, error)
             return False
+        if self.request_version == "HTTP/1.0" and "Transfer-Encoding" in self.headers:
+            # RFC 9112 6.1: framing an HTTP/1.0 peer may not have meant; the body is read as
+            # chunked (llhttp and h11 do), and the connection ends with the answer (as uvicorn
+            # ends every HTTP/1.0 one)
+            self.close_connection = True
         return True
 
     def do_GET(self) -> None:
@@ -649,13 +669,19 @@ class Handler(BaseHTTPRequestHandler):
         self.send_bytes(status, json.dumps(obj).encode(), "application/json", headers)
 
     def send_bytes(
-        self, status: int, body: bytes, content_type: str, headers: dict[str, str] | None = None
+        self,
+        status: int,
+        body: bytes,
+        content_type: str | None,
+        headers: dict[str, str] | None = None,
     ) -> None:
+        """A whole answer; `content_type` None: none is named (an empty body)."""
         self.status = status
         if not self.body_read and self.has_body():
             self.close_connection = True  # the unread body would be parsed as the next request
         self.send_response(status)
-        self.send_header("Content-Type", content_type)
+        if content_type is not None:
+            self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
         for k, v in (headers or {}).items():
             self.send_header(k, v)
@@ -667,6 +693,26 @@ class Handler(BaseHTTPRequestHandler):
         self.headers_sent = True
         if self.command != "HEAD":
             self.wfile.write(body)
+
+    def redirect(self, path: str) -> None:
+        """A 307 to `path` (decoded, as routes see it) with the request's query, empty, as
+        Starlette's redirect_slashes answers a path that matches only without its trailing "/"
+        (starlette/routing.py Router.app, datastructures.URL(scope=...)): Location is absolute,
+        its authority the Host header's, else the address the client reached; clients repeat
+        the method and body there (RFC 9110 15.4.8)."""
+        host = self.headers.get("Host")
+        if host is not None:
+            url = f"{self.server.scheme}://{host}{path}"
+        elif self.server.unix:
+            url = path
+        else:
+            addr, port = self.connection.getsockname()[:2]
+            addr = f"[{addr}]" if ":" in addr else addr
+            default = 443 if self.server.tls is not None else 80
+            url = f"{self.server.scheme}://{addr}{'' if port == default else f':{port}'}{path}"
+        query = _target_query(self.path)
+        location = quote(url + (f"?{query}" if query else ""), safe=_LOCATION_SAFE)
+        self.send_bytes(307, b"", None, {"Location": location})
 
     def _send_error(self, e: APIError) -> None:
         if self.headers_sent:  # mid-stream: report in-band, then end the stream

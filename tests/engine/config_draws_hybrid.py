@@ -255,9 +255,8 @@ def zamba2(rng: random.Random) -> dict[str, Any]:
     c["num_key_value_heads"] = rng.choice(sorted({heads, max(heads // 2, 1)}))
     n = c["num_hidden_layers"]
     c["layers_block_type"] = _layer_pattern(rng, n, ("mamba", "hybrid"), "hybrid")
-    # transformers 5 unties the shared blocks along with the embeddings, which paged refuses
-    # (models/zamba.py SharedBlockLM): the Hub's Zamba2 are tied
-    c["tie_word_embeddings"] = True
+    # transformers 5 unties the shared blocks along with the embeddings: a block a hybrid layer
+    c["tie_word_embeddings"] = rng.random() < 0.5
     c["num_mem_blocks"] = rng.choice((1, 2))
     c["use_shared_attention_adapter"] = rng.random() < 0.5
     if c["use_shared_attention_adapter"]:  # the Hub's Zamba2 are MHA: transformers 5.25 sizes
@@ -319,7 +318,7 @@ def zamba(rng: random.Random) -> dict[str, Any]:
     c["mamba_proj_bias"] = rng.random() < 0.2
     c["intermediate_size"] = rng.choice((64, 128))
     c["hidden_act"] = "gelu"
-    c["tie_word_embeddings"] = True  # (as Zamba2's: untied, transformers 5 unties the block)
+    c["tie_word_embeddings"] = rng.random() < 0.5  # (untied: the block too, as Zamba2's)
     return c
 
 

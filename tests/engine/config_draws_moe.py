@@ -189,7 +189,7 @@ def mimo_v2_flash(rng: random.Random) -> dict[str, Any]:
     # (24, 32: even rotary dims at HF's default factor 0.334 too, which the Hub layout's
     # top-level rope fields leave in force)
     c["head_dim"] = rng.choice((24, 32))
-    c["v_head_dim"] = rng.choice((8, 16, c["head_dim"]))
+    c["v_head_dim"] = rng.choice((8, 16, c["head_dim"], c["head_dim"] + 16))  # (HF: any width)
     n = c["num_hidden_layers"] = rng.randint(1, 4)
     c["layer_types"] = _layer_types(rng, n)
     c["mlp_layer_types"] = [rng.choice(("dense", "sparse")) for _ in range(n)]

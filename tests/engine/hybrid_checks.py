@@ -321,3 +321,20 @@ def copy_with_equal_blocks(src, dst, block: str, first: dict[int, int]):
             tensors[name] = tensors[f"model.layers.{layer}.{block}.{rest}"].clone()
     safetensors.torch.save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
     return dst
+
+
+def tie_embeddings(path):
+    """The checkpoint directory `path` rewritten in place as a tied model's: its config ties the
+    embeddings (and with them, in transformers 5, the copies of a shared block), lm_head.weight
+    dropped. Returns `path`."""
+    import json
+
+    import safetensors.torch
+
+    config = json.loads((path / "config.json").read_text())
+    config["tie_word_embeddings"] = True
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    tensors = safetensors.torch.load_file(path / "model.safetensors")
+    tensors.pop("lm_head.weight", None)
+    safetensors.torch.save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    return path

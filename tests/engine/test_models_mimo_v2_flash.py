@@ -86,6 +86,20 @@ def test_variant_matches_hf(tmp_path):
     assert_tiny_case_matches_hf("mimo_v2_flash_variant", "mimo_v2_flash", overrides, tmp_path)
 
 
+def test_values_wider_than_keys_match_hf(tmp_path):
+    """v_head_dim 48 over q / k heads of 32 (HF runs it): queries and keys padded with zeros
+    to the cache's heads of 48, scores still scaled by 32^-0.5; at TP=2 too."""
+    overrides = {"v_head_dim": 48}
+    assert_tiny_case_matches_hf("mimo_v2_flash_wide_v", "mimo_v2_flash", overrides, tmp_path)
+    from paged_engine.models import kv_cache_layout
+
+    config = tiny_config("mimo_v2_flash", **overrides)
+    config.architectures = ["MiMoV2FlashForCausalLM"]
+    assert kv_cache_layout(config) == [(1, 48), (2, 48), (2, 48), (1, 48)]
+    prompts = random_token_prompts("mimo_v2_flash_wide_v_tp", 2)
+    assert_tp_matches_one_process(tmp_path, prompts, max_tokens=6, max_model_len=128)
+
+
 def test_tp2_matches_one_process(model_dir):
     prompts = random_token_prompts("mimo_v2_flash_tp", 3)
     assert_tp_matches_one_process(model_dir, prompts, max_tokens=8, max_model_len=128)

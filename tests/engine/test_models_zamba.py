@@ -6,16 +6,18 @@ Tiny random models: five Mamba layers (2 heads of 64 channels, state 16, conv 4,
 layers 2 and 4 hybrid (HF's fixed layer 2, then attn_layer_period 2 / offset 1), the block's
 attention 4 heads of 32 without rope, a GELU MLP, tied embeddings; also with grouped-query
 attention of heads narrower than 2D / heads (attention_head_dim), in_proj / out_proj biases,
-no conv bias and untied embeddings, from a checkpoint holding each hybrid layer's (equal) copy
-of the block. `LLM.generate` must give HF `generate`'s greedy tokens and top-5 logprobs (1e-3,
+no conv bias and untied embeddings, where transformers 5 unties the block too: each hybrid
+layer runs its own copy (once refused); and that checkpoint with equal copies under a tied
+config. `LLM.generate` must give HF `generate`'s greedy tokens and top-5 logprobs (1e-3,
 float32) on prompts of 1 to 70 tokens in one batch, whole and in prefill chunks of 16, on the
-CPU backend and the Triton one (interpreted). The block is one module (HF's parameter count),
-each application has its own KV; forks (n = 3) continue their parent's state, prefix caching
-resumes from state snapshots (after generated tokens too: no prompt-only dt limit) with the
-outputs of an engine without it, preempted requests recompute to the same outputs, and TP=2
-(a mixer head, an attention KV head a rank) gives the one-process results.
-Refused: per-layer copies of the block that differ, attention_hidden_size != 2 * hidden, a
-mixer activation other than SiLU.
+CPU backend and the Triton one (interpreted). Tied, the block is one module (HF's parameter
+count), untied one a hybrid layer; each application has its own KV; forks (n = 3) continue
+their parent's state, prefix caching resumes from state snapshots (after generated tokens
+too: no prompt-only dt limit) with the outputs of an engine without it, preempted requests
+recompute to the same outputs, and TP=2 (a mixer head, an attention KV head a rank) gives the
+one-process results. Refused: per-layer copies of the block that differ under a tied config
+(HF unties them with a warning), attention_hidden_size != 2 * hidden, a mixer activation
+other than SiLU.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from hybrid_checks import (
     assert_snapshots_keep_outputs,
     copy_with_equal_blocks,
     random_prompts,
+    tie_embeddings,
     tiny_dirs,
 )
 
@@ -50,7 +53,7 @@ CASES: dict[str, tuple[str, dict]] = {
             "attention_head_dim": 16,  # not 2 * hidden / heads = 32
             "mamba_proj_bias": True,
             "mamba_conv_bias": False,
-            "tie_word_embeddings": False,  # HF then saves (distinct) per-layer blocks
+            "tie_word_embeddings": False,  # HF then builds and saves per-layer blocks
         },
     ),
 }
@@ -62,11 +65,18 @@ def zamba_dirs(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def plain_dir(zamba_dirs, tmp_path_factory):
-    """The untied model with layer 4's copy of the block rewritten as layer 2's (HF runs two
-    equal blocks; we load them into one)."""
-    path = tmp_path_factory.mktemp("zamba-plain-shared")
-    return copy_with_equal_blocks(zamba_dirs("zamba-plain"), path, "shared_transf", {2: 2, 4: 2})
+def plain_dir(zamba_dirs):
+    """The untied model: each hybrid layer's own (random) copy of the block."""
+    return zamba_dirs("zamba-plain")
+
+
+@pytest.fixture(scope="module")
+def tied_copies_dir(zamba_dirs, tmp_path_factory):
+    """The untied model with layer 4's copy of the block rewritten as layer 2's under a tied
+    config (HF ties the equal copies; we load them into one module)."""
+    path = tmp_path_factory.mktemp("zamba-tied-copies")
+    src = zamba_dirs("zamba-plain")
+    return tie_embeddings(copy_with_equal_blocks(src, path, "shared_transf", {2: 2, 4: 2}))
 
 
 @pytest.mark.parametrize(
@@ -75,26 +85,28 @@ def plain_dir(zamba_dirs, tmp_path_factory):
         # (backend, prefill budget): chunks of 16 carry KV, conv window and state across them
         pytest.param("zamba", [("cpu", None), ("cpu", 16)], id="zamba-cpu"),
         pytest.param("zamba", [("triton", 16)], id="zamba-triton"),
+        # untied: a block a hybrid layer (refused before)
         pytest.param("zamba-plain", [("cpu", 16)], id="zamba-plain-cpu"),
+        pytest.param("zamba-tied-copies", [("cpu", None)], id="zamba-tied-copies-cpu"),
     ],
 )
 def test_greedy_tokens_and_logprobs_match_hf(name, runs, zamba_dirs, request):
-    path = request.getfixturevalue("plain_dir") if name == "zamba-plain" else zamba_dirs(name)
+    fixture = {"zamba-plain": "plain_dir", "zamba-tied-copies": "tied_copies_dir"}.get(name)
+    path = zamba_dirs(name) if fixture is None else request.getfixturevalue(fixture)
     assert_runs_match_hf(name, path, runs, _check_layout)
 
 
 def _check_layout(llm: LLM, hf) -> None:
-    """One module for the shared block, run at both hybrid layers, each with its own paged
-    attention and KV; a state pool per layer."""
+    """Tied, one module for the shared block, run at both hybrid layers; untied, a block a
+    layer (HF's parameters either way); each its own paged attention and KV; a state pool per
+    layer."""
     model = llm.llm_engine.model_runner.model
     layers = model.model.layers
     assert [i for i, t in enumerate(hf.config.layers_block_type) if t == "hybrid"] == [2, 4]
-    assert layers[2].shared_transf is layers[4].shared_transf
+    tied = hf.config.tie_word_embeddings
+    assert (layers[2].shared_transf is layers[4].shared_transf) == tied
     assert layers[2].attn is not layers[4].attn
-    # HF's parameters but an untied model's later copy of the block
-    later = "model.layers.4.shared_transf."
-    want = sum(p.numel() for k, p in hf.named_parameters() if not k.startswith(later))
-    assert sum(p.numel() for p in model.parameters()) == want
+    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in hf.parameters())
     assert model.model.kv_index == [-1, -1, 0, -1, 1]
     assert len(llm.llm_engine.model_runner.states.layers) == 5
 
@@ -110,10 +122,14 @@ def test_layer_types_and_refusals():
         ZambaForCausalLM(tiny_config("zamba", hidden_mamba_act="gelu"))
 
 
-def test_untied_distinct_blocks_are_refused(zamba_dirs):
-    # transformers 5 saved each hybrid layer's own (randomized) copy of the block
-    with pytest.raises(ValueError, match="differ, but both belong to the shared block"):
-        LLM(model=str(zamba_dirs("zamba-plain")), dtype="float32", max_model_len=128)
+def test_tied_distinct_blocks_are_refused(zamba_dirs, tmp_path):
+    # each hybrid layer's own copy of the block, the config tying them: one module cannot
+    # serve both (HF unties them, warning that the config should say untied)
+    path = tie_embeddings(
+        copy_with_equal_blocks(zamba_dirs("zamba-plain"), tmp_path, "shared_transf", {2: 2, 4: 4})
+    )
+    with pytest.raises(ValueError, match=r"differ, but both belong to the shared block .* set tie"):
+        LLM(model=str(path), dtype="float32", max_model_len=128)
 
 
 def test_forks_prefix_cache_and_preemption_keep_outputs(zamba_dirs, plain_dir):

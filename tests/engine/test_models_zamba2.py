@@ -5,17 +5,20 @@ Tiny random models: six Mamba2 layers (8 heads of 16 on 2 groups, state 16, conv
 3 and 5 hybrid, running 2 shared blocks in turn (block 0 at layers 1 and 5) with rank-8 adapters
 per application on q / k / v and gate_up, rope, tied embeddings; also with no attention
 adapters and no rope, grouped-query attention, biases (add_bias_linear), one mixer group
-(replicated under TP) and a time_step_min clamp that bites in prefill scans; and with one block
-for all three applications and untied embeddings, from a checkpoint holding every layer's copy
-of the block (transformers 5 unties the blocks with the embeddings). `LLM.generate` must give
-HF `generate`'s greedy tokens and top-5 logprobs (1e-3, float32) on prompts of 1 to 70 tokens,
-whole and in prefill chunks of 16, on the CPU backend and the Triton one. The blocks are one
-module each (HF's parameter count), each application has its own KV; forks (n = 3) continue
-their parent's state, prefix caching resumes from state snapshots with the outputs of an engine
-without it, TP=2 gives the one-process results, and a LoRA adapter on the mixers' and hybrid
-layers' own projections gives HF's tokens on the merged model. Refused: per-layer copies of a
-block that differ, attention adapters with fewer KV heads than heads (HF cannot run those
-either), and LoRA on a projection of a block that runs at several layers.
+(replicated under TP) and a time_step_min clamp that bites in prefill scans; with untied
+embeddings, where transformers 5 unties the blocks too: each hybrid layer runs its own copy of
+its block, with that block's adapters (once refused); and with one block for all three
+applications, from a checkpoint holding every layer's (equal) copy under a tied config.
+`LLM.generate` must give HF `generate`'s greedy tokens and top-5 logprobs (1e-3, float32) on
+prompts of 1 to 70 tokens, whole and in prefill chunks of 16, on the CPU backend and the Triton
+one. Tied, the blocks are one module each, untied one a hybrid layer (HF's parameter count
+either way); each application has its own KV; forks (n = 3) continue their parent's state,
+prefix caching resumes from state snapshots with the outputs of an engine without it, TP=2
+gives the one-process results, and a LoRA adapter on the mixers' and hybrid layers' own
+projections gives HF's tokens on the merged model. Refused: per-layer copies of a block that
+differ under a tied config (HF unties them with a warning), attention adapters with fewer KV
+heads than heads (HF cannot run those either), and LoRA on a projection of a block that runs
+at several layers.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from hybrid_checks import (
     assert_snapshots_keep_outputs,
     copy_with_equal_blocks,
     random_prompts,
+    tie_embeddings,
     tiny_dirs,
 )
 
@@ -53,6 +57,7 @@ _PLAIN = {
 CASES: dict[str, tuple[str, dict]] = {
     "zamba2": ("zamba2", {}),
     "zamba2-plain": ("zamba2", _PLAIN),
+    "zamba2-untied": ("zamba2", {"tie_word_embeddings": False}),  # blocks untied too
     "zamba2-oneblock": ("zamba2", {"num_mem_blocks": 1, "tie_word_embeddings": False}),
 }
 
@@ -64,15 +69,15 @@ def zamba2_dirs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def oneblock_dir(zamba2_dirs, tmp_path_factory):
-    """The untied one-block model with every layer's copy of the block equal (HF runs three
-    equal blocks; we load them into one)."""
+    """The untied one-block model with every layer's copy of the block equal under a tied
+    config (HF ties the three equal copies; we load them into one module)."""
     src = zamba2_dirs("zamba2-oneblock")
     config = transformers.AutoConfig.from_pretrained(src)
     hybrid = [i for i, t in enumerate(config.layers_block_type) if t == "hybrid"]
     # block j % num_mem_blocks at the j-th hybrid layer: each copy as that block's first one
     first = {layer: hybrid[j % config.num_mem_blocks] for j, layer in enumerate(hybrid)}
     path = tmp_path_factory.mktemp("zamba2-oneblock-shared")
-    return copy_with_equal_blocks(src, path, "shared_transformer", first)
+    return tie_embeddings(copy_with_equal_blocks(src, path, "shared_transformer", first))
 
 
 @pytest.mark.parametrize(
@@ -83,6 +88,8 @@ def oneblock_dir(zamba2_dirs, tmp_path_factory):
         pytest.param("zamba2", [("cpu", None), ("cpu", 16)], id="zamba2-cpu"),
         pytest.param("zamba2", [("triton", 16)], id="zamba2-triton"),
         pytest.param("zamba2-plain", [("cpu", 16)], id="zamba2-plain-cpu"),
+        # untied: a block a hybrid layer (refused before)
+        pytest.param("zamba2-untied", [("cpu", 16)], id="zamba2-untied-cpu"),
         pytest.param("zamba2-oneblock", [("cpu", None)], id="zamba2-oneblock-cpu"),
     ],
 )
@@ -94,22 +101,20 @@ def test_greedy_tokens_and_logprobs_match_hf(name, runs, zamba2_dirs, request):
 
 
 def _check_layout(llm: LLM, hf) -> None:
-    """One module per shared block (HF's parameter count), run at each of its layers; a state
-    pool per layer, KV per hybrid layer (its own paged attention)."""
+    """Tied, one module per shared block, run at each of its layers; untied, a block a hybrid
+    layer (HF's parameters either way); a state pool per layer, KV per hybrid layer (its own
+    paged attention)."""
     model = llm.llm_engine.model_runner.model
     layers = model.model.layers
     config = hf.config
     hybrid = [i for i, t in enumerate(config.layers_block_type) if t == "hybrid"]
     assert hybrid == [1, 3, 5]
     blocks = [layers[i].shared_transformer for i in hybrid]
-    n = config.num_mem_blocks
+    n = config.num_mem_blocks if config.tie_word_embeddings else len(hybrid)
     assert all(blocks[j] is blocks[j % n] for j in range(3))
     assert len({id(b) for b in blocks}) == n
     assert len({id(layers[i].attn) for i in hybrid}) == 3
-    # HF's parameters but an untied model's later copies of its blocks
-    later = tuple(f"model.layers.{i}.shared_transformer." for i in hybrid[n:])
-    want = sum(p.numel() for k, p in hf.named_parameters() if not k.startswith(later))
-    assert sum(p.numel() for p in model.parameters()) == want
+    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in hf.parameters())
     assert model.model.kv_index == [-1, 0, -1, 1, -1, 2]
     assert len(llm.llm_engine.model_runner.states.layers) == 6
 
@@ -127,22 +132,26 @@ def test_layer_types_and_refusals():
         Zamba2ForCausalLM(tiny_config("zamba2", num_key_value_heads=2))
 
 
-def test_untied_distinct_blocks_are_refused(zamba2_dirs):
-    # transformers 5 saved each layer's own (randomized) copy of the block
-    with pytest.raises(ValueError, match="differ, but both belong to one shared block"):
-        LLM(model=str(zamba2_dirs("zamba2-oneblock")), dtype="float32", max_model_len=128)
+def test_tied_distinct_blocks_are_refused(zamba2_dirs, tmp_path):
+    # each layer's own copy of the one block, the config tying them: one module cannot serve
+    # them (HF unties them, warning that the config should say untied)
+    same = {1: 1, 3: 3, 5: 5}
+    src = zamba2_dirs("zamba2-oneblock")
+    path = tie_embeddings(copy_with_equal_blocks(src, tmp_path, "shared_transformer", same))
+    with pytest.raises(ValueError, match=r"differ, but both belong to one shared block .* set tie"):
+        LLM(model=str(path), dtype="float32", max_model_len=128)
 
 
-def test_forks_and_prefix_cache_keep_outputs(zamba2_dirs, oneblock_dir):
+def test_forks_and_prefix_cache_keep_outputs(zamba2_dirs):
     llm = LLM(model=str(zamba2_dirs("zamba2")), dtype="float32", max_model_len=128)
     assert_greedy_forks_equal_one(llm)
     del llm
     # untied: the tied tiny head (embeddings of std 0.5, logits ~4x an untied head's) magnifies
     # the float noise of scanning in other chunks (~1e-4) past what the check allows
-    assert_snapshots_keep_outputs(oneblock_dir)
+    assert_snapshots_keep_outputs(zamba2_dirs("zamba2-untied"))
 
 
-@pytest.mark.parametrize("name", ["zamba2", "zamba2-plain"])
+@pytest.mark.parametrize("name", ["zamba2", "zamba2-plain", "zamba2-untied"])
 def test_tensor_parallel_matches_one_process(name, zamba2_dirs):
     # attention heads (and the adapters' B rows), MLP halves and mixer heads over 2 ranks. The
     # all-reduces sum in another order and the recurrent state carries that through 48 tokens:

@@ -20,14 +20,15 @@ transformers runs it:
                group-limited top-k, renormalized (norm_topk_prob), times routed_scaling_factor,
                experts of moe_intermediate_size, no shared experts
 
-The KV cache holds the values padded with zeros to head_dim (the attention kernels take one
-head size; at 192 / 128 that is a fifth more cache than exact values): each head's output keeps
-its first v_head_dim columns. Layers cache different KV head counts (`kv_cache_layout`).
+The attention kernels take one head size, max(head_dim, v_head_dim), and the KV cache holds
+heads that wide: the narrower of values or queries / keys padded with zeros (at 192 / 128 a
+fifth more cache than exact values). Zero value columns add zeros to each output, which keeps
+its first v_head_dim columns; zero query / key columns add nothing to a score, scaled by
+head_dim^-0.5 whatever the width. Layers cache different KV head counts (`kv_cache_layout`).
 Checkpoints name the sinks `self_attn.attention_sink_bias`; their multi-token-prediction layers
-(`model.mtp.*`, unused by HF) are skipped. Refused by name: speculative_config method "mtp",
-v_head_dim wider than head_dim, a scaled `rope_parameters` entry without a partial_rotary_factor
-of its own beside a top-level one that differs (HF ignores the top-level one), hidden_act other
-than SiLU.
+(`model.mtp.*`, unused by HF) are skipped. Refused by name: speculative_config method "mtp", a
+scaled `rope_parameters` entry without a partial_rotary_factor of its own beside a top-level
+one that differs (HF ignores the top-level one), hidden_act other than SiLU.
 """
 
 from __future__ import annotations
@@ -138,8 +139,7 @@ class MiMoV2FlashAttention(nn.Module):
         super().__init__()
         hidden, heads = config.hidden_size, config.num_attention_heads
         self.head_dim, self.v_head_dim = llama_head_dim(config), int(config.v_head_dim)
-        if self.v_head_dim > self.head_dim:
-            raise ValueError(f"v_head_dim={self.v_head_dim} wider than head_dim={self.head_dim}")
+        self.cache_head_dim = max(self.head_dim, self.v_head_dim)  # the kernels' one head size
         bias = bool(getattr(config, "attention_bias", False))
         self.qkv_proj = AsymmetricQKVLinear(
             hidden, self.head_dim, self.v_head_dim, heads, layer_kv_heads(config, layer_type), bias
@@ -157,7 +157,7 @@ class MiMoV2FlashAttention(nn.Module):
             self.sinks.weight_loader = self._load_sinks
         self.attn = Attention(
             local_heads,
-            self.head_dim,
+            self.cache_head_dim,
             local_kv_heads,
             self.head_dim**-0.5,
             sliding_window=layer_sliding_window(config, layer_idx),
@@ -178,16 +178,23 @@ class MiMoV2FlashAttention(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         md: AttentionMetadata,
     ) -> torch.Tensor:
-        t, d, dv = x.shape[0], self.head_dim, self.v_head_dim
+        t, d, dv, w = x.shape[0], self.head_dim, self.v_head_dim, self.cache_head_dim
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.v_size], dim=-1)
         q, k = self.rotary_emb(positions, q, k)
         v = v * self.v_scale  # before the cache, as HF scales the projected values
-        if dv < d:  # zero columns up to the cache's head size: they add zeros to each output
-            v = F.pad(v.reshape(t, -1, dv), (0, d - dv)).reshape(t, -1)
-        out = self.attn(q, k, v, kv_cache, md)  # [T, H * D]
-        if dv < d:
-            out = out.view(t, -1, d)[..., :dv].reshape(t, -1)
-        return self.o_proj(out)
+        # zero columns up to the cache's head size w (module docstring)
+        q, k, v = _pad_heads(q, d, w), _pad_heads(k, d, w), _pad_heads(v, dv, w)
+        out = self.attn(q, k, v, kv_cache, md)  # [T, H * w]
+        if dv < w:
+            out = out.view(t, -1, w)[..., :dv].reshape(t, -1)
+        return self.o_proj(out)  # [T, D]
+
+
+def _pad_heads(x: torch.Tensor, size: int, width: int) -> torch.Tensor:
+    """[T, n * size] -> [T, n * width]: each head's columns, then zeros."""
+    if size == width:
+        return x
+    return F.pad(x.reshape(x.shape[0], -1, size), (0, width - size)).reshape(x.shape[0], -1)
 
 
 def mimo_model(config, build_mlp: Callable[[object, int], nn.Module]) -> LayerTypeRopeModel:
@@ -217,8 +224,9 @@ class MiMoV2FlashForCausalLM(ExaoneMoeForCausalLM):
 
     @classmethod
     def kv_cache_layout(cls, config) -> list[tuple[int, int]]:
-        """(num_kv_heads, head_dim) of each layer: sliding layers cache twice the KV heads."""
-        d = llama_head_dim(config)
+        """(num_kv_heads, head size) of each layer: sliding layers cache twice the KV heads, all
+        heads max(head_dim, v_head_dim) wide."""
+        d = max(llama_head_dim(config), int(config.v_head_dim))
         return [(layer_kv_heads(config, t), d) for t in mimo_layer_types(config)]
 
     def rename_weight(self, name: str) -> str:

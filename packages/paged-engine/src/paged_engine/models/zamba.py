@@ -16,17 +16,18 @@ its MLP is down(act(gate) * up) (`hidden_act`, GELU by default). Zamba2 (models/
 is this design with Mamba2 mixers, several blocks, adapters and rope.
 
 Shared weights: the block is ONE module, registered at every hybrid layer, so its parameters
-are named and loaded under the first hybrid layer (model.layers.L.shared_transf, as HF saves
-it tied). A checkpoint that also holds the later layers' copies loads them into the same
-module and is refused if they differ: transformers 5 ties the copies only along with the
-embeddings, so with tie_word_embeddings=False it builds (and saves) a block per layer, no
-longer Zamba. Each hybrid layer has its own paged attention (`attn`, no parameters) and so its
-own KV cache entry (HF's cache by layer index): its layer type "hybrid" holds KV and a mixer
-state (models/hybrid.py), a mamba layer a state only; prefix caching, chunked prefill, forks
-and preemption go through the hybrid machinery (worker/recurrent_state.py) as for Jamba and
-Zamba2. Tensor parallelism splits the attention heads, the MLP and the mixer heads; `linear`
-is replicated. Refused by name: attention_hidden_size != 2 * hidden_size (HF cannot run it
-either) and a mixer activation (hidden_mamba_act) other than SiLU.
+are named and loaded under the first hybrid layer (model.layers.L.shared_transf, as HF saves it
+tied). A checkpoint that also holds the later layers' copies loads them into the same module
+and is refused if they differ (HF would untie them). transformers 5 ties the copies only along
+with the embeddings: with tie_word_embeddings=False (`per_layer_blocks`) each hybrid layer has
+a block of its own, loaded from its own copy, as here. Each hybrid layer has its own paged
+attention (`attn`, no parameters) and so its own KV cache entry (HF's cache by layer index):
+its layer type "hybrid" holds KV and a mixer state (models/hybrid.py), a mamba layer a state
+only; prefix caching, chunked prefill, forks and preemption go through the hybrid machinery
+(worker/recurrent_state.py) as for Jamba and Zamba2. Tensor parallelism splits the attention
+heads, the MLP and the mixer heads; `linear` is replicated. Refused by name:
+attention_hidden_size != 2 * hidden_size (HF cannot run it either) and a mixer activation
+(hidden_mamba_act) other than SiLU.
 """
 
 from __future__ import annotations
@@ -48,6 +49,12 @@ from paged_engine.models.llama import LlamaForCausalLM, LlamaMLP
 from paged_engine.models.utils import CausalLMBase, cfg_get
 
 HYBRID = PARALLEL_LAYER_TYPES[0]  # "hybrid": the shared block, then the layer's mixer
+
+
+def per_layer_blocks(config) -> bool:
+    """Whether each hybrid layer runs a block of its own: transformers 5 ties the layers' copies
+    of a shared block only when it ties the embeddings (tie_word_embeddings, default True)."""
+    return not bool(getattr(config, "tie_word_embeddings", True))
 
 
 def zamba_mamba_spec(config) -> ZambaMambaSpec:
@@ -126,7 +133,7 @@ class ZambaHybridLayer(nn.Module):
 
     def __init__(self, config, block: ZambaSharedBlock) -> None:
         super().__init__()
-        self.shared_transf = block  # the same module at every hybrid layer
+        self.shared_transf = block  # the same module at every hybrid layer unless untied
         a = block.self_attn
         self.attn = Attention(a.num_heads, a.head_dim, a.num_kv_heads, a.scale)
         hidden = int(config.hidden_size)
@@ -154,11 +161,11 @@ class ZambaModel(HybridModel):
 class SharedBlockLM(CausalLMBase):
     """A model whose hybrid layers run shared transformer blocks (Zamba, Zamba2), loaded as
     HF's: `final_layernorm` named `norm`, each layer's copy of a block's weights (a name
-    `_SHARED` matches) named where the block's one module is (`block_prefix`) and checked equal
-    to the first copy. ValueError naming both where they differ: a checkpoint saved untied
-    (transformers 5 unties the copies along with the embeddings) holds distinct per-layer
-    blocks, which one shared module cannot serve. A family sets `_SHARED`, `family`,
-    `block_why` (which block two copies belong to) and `block_prefix`."""
+    `_SHARED` matches) named where the block's one module is (`block_prefix`; None: the layer
+    has a block of its own, `per_layer_blocks`) and checked equal to the first copy. ValueError
+    naming both where they differ: the config ties the copies (tie_word_embeddings), so one
+    module serves them all, while HF would untie the differing tensors. A family sets
+    `_SHARED`, `family`, `block_why` (which block two copies belong to) and `block_prefix`."""
 
     _SHARED: ClassVar[re.Pattern[str]]
     family: ClassVar[str]
@@ -180,9 +187,9 @@ class SharedBlockLM(CausalLMBase):
                     if seen[1] is not w and not torch.equal(seen[1], w):
                         raise ValueError(
                             f"{self.family}: checkpoint weights {seen[0]!r} and {name!r} differ, "
-                            f"but both belong to {self.block_why}; per-layer blocks (saved by "
-                            "transformers 5 with tie_word_embeddings=False, which unties them "
-                            "too) are not supported"
+                            f"but both belong to {self.block_why} under tie_word_embeddings="
+                            "True; set tie_word_embeddings=False in the config to serve a block "
+                            "per layer (as transformers 5 builds then)"
                         )
                 yield name, w
 
@@ -221,15 +228,18 @@ class ZambaForCausalLM(SharedBlockLM):
                 "(the shared block reads [hidden | embeddings])"
             )
         hybrid = [i for i, t in enumerate(types) if t == HYBRID]
-        block = ZambaSharedBlock(config)
+        own = per_layer_blocks(config)
+        shared = None if own else ZambaSharedBlock(config)
 
         def build(i: int) -> nn.Module:
-            return ZambaHybridLayer(config, block) if i in hybrid else ZambaMambaLayer(config)
+            if i not in hybrid:
+                return ZambaMambaLayer(config)
+            return ZambaHybridLayer(config, ZambaSharedBlock(config) if shared is None else shared)
 
         eps = cfg_get(config, "rms_norm_eps", 1e-5)
         super().__init__(config, ZambaModel(config, build, RMSNorm(hidden, eps), None))
-        # where the block's parameters are named: the first hybrid layer's
-        self._block_prefix = f"model.layers.{hybrid[0]}.shared_transf."
+        # where the one block's parameters are named: the first hybrid layer's
+        self._block_prefix = None if own else f"model.layers.{hybrid[0]}.shared_transf."
 
-    def block_prefix(self, layer: int) -> str:
-        return self._block_prefix  # one block: every hybrid layer's
+    def block_prefix(self, layer: int) -> str | None:
+        return self._block_prefix  # one block: every hybrid layer's; None: each layer's own

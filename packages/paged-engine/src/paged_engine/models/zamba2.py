@@ -23,16 +23,18 @@ says), `add_bias_linear` on in_proj and out_proj, dt >= `time_step_min` for prom
 (HF's time_step_limit, applied in its prefill scan), and the gated RMSNorm (eps 1e-5, groups
 of width / ngroups) of y * silu(z).
 
-Shared weights: each block is ONE module, registered at every hybrid layer that runs it, so
-its parameters are named, and loaded, under the first of them (model.layers.L.shared_transformer,
+Shared weights: each block is ONE module, registered at every hybrid layer that runs it, so its
+parameters are named, and loaded, under the first of them (model.layers.L.shared_transformer,
 as HF saves them). A checkpoint that also holds the later layers' copies loads them into the
-same module and is refused if they differ: transformers 5 ties the blocks only along with the
-embeddings, so with tie_word_embeddings=False it builds (and may save) distinct blocks per
-layer, no longer a shared-block model. Each hybrid layer has its own paged attention (`attn`,
-no parameters) and so its own KV cache entry: its layer type "hybrid" holds KV and a mixer
-state (models/hybrid.py), a mamba layer a state only. Tensor parallelism splits the attention
-heads (the q / k / v adapters' B rows with them, their A replicated), the MLP (each of gate |
-up, the adapter's B too) and the mixer as the other hybrids do; `linear` is replicated.
+same module and is refused if they differ (HF would untie them). transformers 5 ties the blocks
+only along with the embeddings: with tie_word_embeddings=False (zamba.py `per_layer_blocks`)
+each hybrid layer has a block of its own (application j's copy of block j % num_mem_blocks,
+with that block's adapters), loaded from its own copy, as here. Each hybrid layer has its own
+paged attention (`attn`, no parameters) and so its own KV cache entry: its layer type "hybrid"
+holds KV and a mixer state (models/hybrid.py), a mamba layer a state only. Tensor parallelism
+splits the attention heads (the q / k / v adapters' B rows with them, their A replicated), the
+MLP (each of gate | up, the adapter's B too) and the mixer as the other hybrids do; `linear` is
+replicated.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ from paged_engine.layers.norm import RMSNorm
 from paged_engine.layers.rotary import RotaryEmbedding, get_rope
 from paged_engine.models.hybrid import PARALLEL_LAYER_TYPES, HybridModel, layer_types
 from paged_engine.models.utils import QKV_PROJ_RULES, cfg_get
-from paged_engine.models.zamba import SharedBlockLM
+from paged_engine.models.zamba import SharedBlockLM, per_layer_blocks
 
 HYBRID = PARALLEL_LAYER_TYPES[0]  # "hybrid": a shared block, then the layer's Mamba2
 
@@ -284,17 +286,23 @@ class Zamba2ForCausalLM(SharedBlockLM):
                 f"{2 * hidden} (2 * hidden_size)"
             )
         rope = get_rope(config, head_dim) if getattr(config, "use_mem_rope", False) else None
-        # block b runs at applications b, b + num_blocks, ...: its adapters are theirs
-        blocks = [
-            Zamba2SharedBlock(config, list(range(b, len(hybrid), num_blocks)), len(hybrid), rope)
-            for b in range(min(num_blocks, len(hybrid)))
-        ]
+        own = per_layer_blocks(config)
+
+        def block(j: int) -> Zamba2SharedBlock:
+            # block b runs at applications b, b + num_blocks, ...: its adapters are theirs
+            b = j % num_blocks
+            return Zamba2SharedBlock(
+                config, list(range(b, len(hybrid), num_blocks)), len(hybrid), rope
+            )
+
+        # one module per block, or (untied) per application
+        blocks = [block(j) for j in range(len(hybrid) if own else min(num_blocks, len(hybrid)))]
         use_of = {layer: j for j, layer in enumerate(hybrid)}
 
         def build(i: int) -> nn.Module:
             if i in use_of:
                 j = use_of[i]
-                return Zamba2HybridLayer(config, blocks[j % num_blocks], j)
+                return Zamba2HybridLayer(config, blocks[j if own else j % num_blocks], j)
             return Zamba2MambaLayer(config)
 
         eps = cfg_get(config, "rms_norm_eps", 1e-5)
@@ -303,6 +311,7 @@ class Zamba2ForCausalLM(SharedBlockLM):
         self._block_prefix = {
             layer: f"model.layers.{hybrid[j % num_blocks]}.shared_transformer."
             for layer, j in use_of.items()
+            if not own  # untied: each layer's copy is its own block's
         }
 
     _SHARED = re.compile(r"^model\.layers\.(\d+)\.shared_transformer\.")

@@ -26,11 +26,13 @@ from unittest import mock
 import pytest
 
 from paged_engine import LLM, SamplingParams, StructuredOutputsParams
+from paged_engine.structured_output import work_bounds
 from paged_engine.structured_output.grammar import grammar_text
 from paged_engine.structured_output.work_bounds import (
     MAX_ALTERNATIVES,
     MAX_CONST_VALUES,
     MAX_REPEAT_PRODUCT,
+    check_spec,
     repeat_product,
 )
 
@@ -135,6 +137,26 @@ def test_costly_constraints_are_refused_at_once(so: dict, message: str) -> None:
 
 
 @pytest.mark.parametrize(
+    ("grammar", "message"),
+    [
+        ('start: a\na: b~100\nb: c~100\nc: "x"~100', "1000000 repeats through the rules "
+         "start -> a -> b -> c (at most 10000"),
+        ('start: A\nA: B{100}\nB: C{100}\nC: "x"{100}', "through the rules start -> A -> B"),
+        ('start: "<" a ">"\na: B{2,20}\nB: /x{1000}/', "20000 repeats through the rules start"),
+        ('root ::= a{100}\na ::= b{100}\nb ::= "x"{1,100}', "the rules root -> a -> b ("),
+    ],
+)  # fmt: skip
+def test_repeats_nested_through_rules_are_refused(grammar: str, message: str) -> None:
+    """Counted repeats multiply through rule references as through nested groups: `a: b~100`,
+    `b: c~100`, `c: "x"~100` cost llguidance what `(("x"{100}){100}){100}` does (with terminals
+    2.5 s of the compile thread, then "too many expressions constructed"; with rules, "Too many
+    items" at the first mask), where the text's check saw three counts of 100 apart."""
+    with pytest.raises(ValueError, match=re.escape("structured_outputs.grammar")) as info:
+        grammar_text(StructuredOutputsParams(grammar=grammar))
+    assert message in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize(
     "so",
     [
         {"regex": "a{10000}"},
@@ -150,10 +172,56 @@ def test_costly_constraints_are_refused_at_once(so: dict, message: str) -> None:
         {"json": {"anyOf": [{"const": f"x{i}"} for i in range(2500)]}},  # one lexeme
         {"grammar": 'start: ("a" "b"){10000}'},
         {"grammar": 'start: "{" x{3} "}"\nx: "a"'},  # braces in literals
+        {"grammar": 'start: a{100} b{200}\na: "x"{50}\nb: "y"{40}'},  # side by side: 8000
+        {"grammar": "start: a\na: B{100}\nB: /x{100}/"},  # 10000: at the bound
+        {"grammar": 'start: x{100}\nx: "a" x | "b"'},  # recursion repeats nothing built
     ],
 )
 def test_ordinary_constraints_pass(so: dict) -> None:
     assert grammar_text(StructuredOutputsParams(**so))
+
+
+def test_alternatives_walk_a_shared_def_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """2000 `anyOf`s each reaching one `$def` of 1000 `$ref`'d objects: each subschema's
+    alternatives are found once and shared, every `$ref` resolved once (before: the 1000 were
+    walked again for each `anyOf`, 2 million resolutions, quadratic in the schema)."""
+    calls = 0
+    resolve = work_bounds.resolve_ref
+
+    def counted(*args):
+        nonlocal calls
+        calls += 1
+        return resolve(*args)
+
+    monkeypatch.setattr(work_bounds, "resolve_ref", counted)
+    uses = {f"p{i}": {"anyOf": [{"$ref": "#/$defs/big"}, {"type": "null"}]} for i in range(2000)}
+    defs = {**_defs(1000), "big": {"anyOf": _refs(1000)}}
+    check_spec({"type": "object", "properties": uses, "$defs": defs}, "f")
+    assert calls == 2000 + 1000  # each $ref once
+    calls = 0
+    defs = {**_defs(2100), "big": {"anyOf": _refs(2100)}}
+    with pytest.raises(ValueError, match="f anyOf is invalid: it holds 2100 object alt"):
+        check_spec({"type": "object", "properties": uses, "$defs": defs}, "f")
+    assert calls <= 2 * (2000 + 2100)  # found once, then counted once for the message
+
+
+def _loop_defs(order: str) -> dict:
+    """e and x reach each other (1200 objects each way round), y reaches x (2100 in all)."""
+    defs = {
+        "e": {"anyOf": [{"$ref": "#/$defs/x"}, *_objects(600, 1)]},
+        "x": {"anyOf": [{"$ref": "#/$defs/e"}, *_objects(600, 2)]},
+        "y": {"anyOf": [{"$ref": "#/$defs/x"}, *_objects(900, 3)]},
+    }
+    return {"$defs": {k: defs[k] for k in order}}
+
+
+@pytest.mark.parametrize("order", ["exy", "yxe", "xey", "yex"])
+def test_alternatives_through_a_ref_loop_are_counted_whole(order: str) -> None:
+    """Subschemas on a `$ref` loop reach the same alternatives whichever is walked first (a
+    memo of one found half-way round the loop would let y through with 1500)."""
+    with pytest.raises(ValueError, match="it holds 2100 object alternatives"):
+        check_spec(_loop_defs(order), "f")
+    check_spec({"$defs": {k: v for k, v in _loop_defs(order)["$defs"].items() if k != "y"}}, "f")
 
 
 # What the other hostile cases get (unchanged by this audit): (constraint, message).
@@ -162,10 +230,10 @@ _TABLE = [
     ({"json": {"$ref": "http://127.0.0.1:9/s.json"}}, "retriever does not fetch"),
     ({"json": {"$ref": "file:///etc/passwd"}}, "retriever does not fetch"),
     ({"json": {"not": {"type": "string"}}}, 'Unimplemented keys: ["not"]'),
-    ({"json": {"type": "integer", "multipleOf": 0}}, "invalid multiple of"),
+    ({"json": {"type": "integer", "multipleOf": 0}}, "multipleOf must be a number greater than 0"),
     ({"json": {"type": "string", "pattern": "(?=a)a"}}, "look-around"),
     ({"json": {"type": "number", "minimum": 5.5, "maximum": 1.5}}, "Unsatisfiable"),
-    ({"json": [{"type": "string"}]}, "must be a JSON schema (an object)"),
+    ({"json": [{"type": "string"}]}, "must be a JSON schema (an object, or true / false)"),
     ({"json": "{not json"}, "is not valid JSON"),
     ({"regex": r"(a)\1"}, "backreferences"),
     ({"regex": ""}, "non-empty string"),

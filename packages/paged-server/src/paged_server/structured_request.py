@@ -102,15 +102,16 @@ def _response_format(rf: Any) -> dict[str, Any] | None:
             "'response_format.json_schema.name' must be a non-empty string", "response_format"
         )
     schema = js.get("schema", {})
-    if not isinstance(schema, dict):
+    if not isinstance(schema, (dict, bool)):  # true / false: JSON Schema's boolean schemas
         raise bad_request(
-            "'response_format.json_schema.schema' must be an object", "response_format"
+            "'response_format.json_schema.schema' must be an object (or true / false)",
+            "response_format",
         )
     if js.get("strict") not in (None, True, False):
         raise bad_request(
             "'response_format.json_schema.strict' must be a boolean", "response_format"
         )
-    return {"json": schema or {"type": "object"}}
+    return {"json": schema if schema != {} else {"type": "object"}}
 
 
 def check_structured(params: Any, param: str | None) -> None:

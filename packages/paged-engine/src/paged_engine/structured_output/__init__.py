@@ -3,8 +3,8 @@ list or grammar, enforced by masking the logits each step.
 
     params.py              StructuredOutputsParams (vLLM's names; GuidedDecodingParams alias)
     grammar.py             params -> a checked llguidance grammar (ValueError naming the field)
-    work_bounds.py         refuses what llguidance would not bound: counted repeats, big
-                           constants, too many object alternatives
+    work_bounds.py         refuses what llguidance would not bound: counted repeats (through
+                           grammar rules too), big constants, too many object alternatives
     backend.py             GrammarBackend / GrammarMatcher: the grammar engine's interface
     llguidance_backend.py  the implementation on llguidance (`paged-engine[structured]`)
     manager.py             compile cache and thread; each step's token bitmask

@@ -37,11 +37,15 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from paged_engine.structured_output.grammar_rules import check_grammar_rules
+from paged_engine.structured_output.grammar_rules import check_grammar_rules, gbnf_names
 from paged_engine.structured_output.params import StructuredOutputsParams
 from paged_engine.structured_output.schema_refs import check_ref_cycles
 from paged_engine.structured_output.structural_tag import structural_tag_lark
-from paged_engine.structured_output.work_bounds import check_regex, check_spec
+from paged_engine.structured_output.work_bounds import (
+    check_regex,
+    check_rule_repeats,
+    check_spec,
+)
 
 EXTRA_HINT = "install it with: pip install 'paged-engine[structured]'"
 # llguidance takes ~3 KB of stack a chained rule (8 MB overflowed near 2800 rules; 25k fit
@@ -142,6 +146,10 @@ def _build_grammar_text(key: str) -> str:
     llg = import_llguidance()
     matcher = llg.LLMatcher
     field = f"structured_outputs.{kind}"
+    if kind == "json" and isinstance(spec, bool):  # JSON Schema's boolean schemas
+        if not spec:
+            raise ValueError(f"{field} is invalid: the schema `false` matches no JSON value")
+        spec = {}  # `true`: any JSON value (llguidance takes options with an object schema only)
     _check_work(kind, spec, field)
     try:
         if kind in ("json", "json_object"):
@@ -167,7 +175,9 @@ def _build_grammar_text(key: str) -> str:
         raise ValueError(f"{field} is invalid: {error.strip()}")
     if kind == "json" and '"$ref"' in key:  # no $ref, no loop (the walk costs ~4 us a node)
         check_ref_cycles(spec, field)  # llguidance builds a loop, then fails to fill a mask
-    if kind == "grammar":  # a rule with no way out: llguidance admits it, then ends quietly
+    if kind == "grammar":  # repeats nested through rules (before llguidance builds them)
+        check_rule_repeats(grammar, field, gbnf_names(spec))
+        # a rule with no way out: llguidance admits it, then ends quietly
         check_grammar_rules(grammar, spec, field)
     return grammar
 

@@ -7,11 +7,11 @@ and then nothing completes; the matcher errors and the request ends quietly mid-
 once llguidance converts it to Lark, the text read here (both syntaxes are read as llguidance
 reads them; GBNF rules are named as written, `gbnf_names`).
 
-A symbol is *productive* when one of its alternatives holds only terminals and productive
-symbols: the least fixed point, each alternative counting down its pending symbols (linear).
-EBNF groups and operators are symbols of their own (`x*`, `x?`, `[..]`, `x{0,n}` have an empty
-alternative; `x+`, `x{m,n}` need `x`). Two refusals, each a proof that an output llguidance
-admits can never complete (the rule: refuse only on a proof, so a grammar that can always
+A symbol is *productive* when one of its alternatives holds only terminals and productive symbols:
+the least fixed point, each alternative counting down its pending symbols (linear). EBNF groups and
+operators are symbols of their own (`x*`, `x?`, `[..]`, `x{0,n}`, `x~0..n` have an empty
+alternative; `x+`, `x{m,n}`, `x~m..n` need `x`). Two refusals, each a proof that an output
+llguidance admits can never complete (the rule: refuse only on a proof, so a grammar that can always
 finish is never refused):
 
 1. `start` is unproductive: no text completes the grammar, and either no token may start it
@@ -25,17 +25,17 @@ finish is never refused):
    witness, generation can only get stuck.
 
 Which admitted prefixes are stuck is undecidable in general (prefix inclusion of context-free
-languages); anything without such a proof is left to llguidance: a dead alternative every
-prefix of which a live one shares (`start: "a" "c"* | "a" x`), a dead alternative entered
-without text (`start: x | "a"`, `x: x`: llguidance offers nothing of x), witnesses that need a
-regex's text (`start: /[0-9]+/ x | "1"`), rules with attributes (`[max_tokens=..]`, `[lazy]`,
-`[stop=..]`: they end on their own terms) or terminal algebra (`~`, `&`, `..`: taken as
-productive), and text this reader does not follow (templates, `%extend`, `%override`, a
-definition given twice, syntax errors): no verdict at all. The reader (`lark_reader.py`)
-and every pass here are loops without recursion, linear in the grammar (the witness search
-adds a heap). Only grammars with an unproductive symbol go further: llguidance builds the
-grammar and its live part once each (~1 ms for a small grammar, ~100 ms near the 100k
-characters `grammar_text` allows) and runs at most MAX_WITNESSES witnesses through them.
+languages); anything without such a proof is left to llguidance: a dead alternative every prefix of
+which a live one shares (`start: "a" "c"* | "a" x`), a dead alternative entered without text
+(`start: x | "a"`, `x: x`: llguidance offers nothing of x), witnesses that need a regex's text
+(`start: /[0-9]+/ x | "1"`), rules with attributes (`[max_tokens=..]`, `[lazy]`, `[stop=..]`: they
+end on their own terms) or terminal algebra (`&`, `..` ranges, `~` negation: taken as productive),
+and text this reader does not follow (templates, `%extend`, `%override`, a definition given twice,
+syntax errors): no verdict at all. The reader (`lark_reader.py`) and every pass here are loops
+without recursion, linear in the grammar (the witness search adds a heap). Only grammars with an
+unproductive symbol go further: llguidance builds the grammar and its live part once each (~1 ms for
+a small grammar, ~100 ms near the 100k characters `grammar_text` allows) and runs at most
+MAX_WITNESSES witnesses through them.
 
 vLLM has the same hole: its guidance backend runs llguidance's `validate_grammar` only (the
 matcher's error is logged as a warning and the request ends), and xgrammar (0.2.9) compiles

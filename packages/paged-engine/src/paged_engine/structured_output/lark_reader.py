@@ -1,13 +1,13 @@
 """A reader of llguidance's Lark grammars into rules, for `grammar_rules.py`'s analysis.
 
-`read_lark(text)` gives each symbol's alternatives as lists of items: a symbol id, a string
-literal (`Lit`), or a terminal it does not look into (`Raw`: a regex, `%json {..}`, a special
-token, `"a"i`; taken to match some text). EBNF groups, `[..]` and repetitions become fresh
-symbols (`x*` / `x?` / `[..]` / `x{0,n}` with an empty alternative; `x+` / `x{m,n}` needing
-`x`). Terminal definitions (UPPER names) and rules with attributes keep their source, to be
-written back. What it does not follow (templates, `%extend` / `%override`, a definition given
-twice, syntax llguidance would refuse anyway) raises Unreadable: no verdict. One pass over the
-tokens with an explicit stack of open groups: no recursion, however deep the nesting.
+`read_lark(text)` gives each symbol's alternatives as lists of items: a symbol id, a string literal
+(`Lit`), or a terminal it does not look into (`Raw`: a regex, `%json {..}`, a special token, `"a"i`;
+taken to match some text). EBNF groups, `[..]` and repetitions become fresh symbols (`x*` / `x?` /
+`[..]` / `x{0,n}` / `x~0..n` with an empty alternative; `x+` / `x{m,n}` / `x~m..n` needing `x`),
+their operator kept in `Grammar.form`. Terminal definitions (UPPER names) and rules with attributes
+keep their source, to be written back. What it does not follow (templates, `%extend` / `%override`,
+a definition given twice, syntax llguidance would refuse anyway) raises Unreadable: no verdict. One
+pass over the tokens with an explicit stack of open groups: no recursion, however deep the nesting.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ _TOKEN = re.compile(
     |(?P<op>[|()\[\]?*+])""",
     re.VERBOSE | re.MULTILINE,
 )
+_TILDE_COUNT = re.compile(r"[ \t]*(\d+)(?:[ \t]*\.\.[ \t]*(\d+))?")  # after `~`: n, n..m
 _STATEMENTS = ("import", "ignore", "declare", "llguidance")  # directives that stand alone
 _INLINE = ("json", "regex")  # directives that are an item: `%json { schema }`
 
@@ -60,7 +61,7 @@ Item = int | Lit | Raw  # a symbol id, a string literal, or a terminal not looke
 class Grammar:
     """A context-free grammar: symbol i's alternatives in `alts[i]`. EBNF groups and operators
     become fresh symbols owned by the named rule they sit in (`owner`, for messages), their
-    operator in `form` ("(", "[", "?", "*", "+" or the "{m,n}" source)."""
+    operator in `form` ("(", "[", "?", "*", "+", the "{m,n}" source, or "~n" / "~m..n")."""
 
     names: list[str] = field(default_factory=list)
     owner: list[int] = field(default_factory=list)
@@ -91,10 +92,10 @@ class Grammar:
 
 
 def read_lark(text: str) -> Grammar:
-    """The rules of an llguidance Lark grammar; Unreadable if some part is not followed.
-    Terminals (UPPER names), rules with attributes or terminal algebra (`~`, `&`, `..`) keep
-    their source to be written back; the last two, and symbols never defined (imported,
-    declared), get the one alternative [Raw]: productive, not looked into."""
+    """The rules of an llguidance Lark grammar; Unreadable if some part is not followed. Terminals
+    (UPPER names), rules with attributes or terminal algebra (`&`, `..` ranges, `~` negation) keep
+    their source to be written back; the last two, and symbols never defined (imported, declared),
+    get the one alternative [Raw]: productive, not looked into."""
     g = Grammar()
     head: int | None = None  # the rule being read; None: between rules
     begin = 0  # where its definition starts
@@ -153,7 +154,14 @@ def read_lark(text: str) -> Grammar:
         if kind == "arrow":
             alias = True
         elif kind == "algebra":
-            opaque.add(head)
+            count = _TILDE_COUNT.match(text, pos) if tok == "~" else None
+            if count is None:  # `&`, a `..` range, a `~` negation: not looked into
+                opaque.add(head)
+                continue
+            pos = count.end()  # `x ~ n` / `x ~ n..m`: x{n} / x{n,m}
+            low, high = count.groups()
+            form = f"~{low}" if high is None else f"~{low}..{high}"
+            _repeat(g, head, stack[-1][1][-1], form, int(low) > 0)
         else:
             _item(g, head, stack, kind, tok)
     close(end)

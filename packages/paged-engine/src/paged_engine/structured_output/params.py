@@ -2,7 +2,8 @@
 
 Exactly one constraint per request:
 
-    json         a JSON schema (dict or JSON text): the output is one JSON value valid under it
+    json         a JSON schema (dict or JSON text): the output is one JSON value valid under it;
+                 `true` allows any JSON value, `false` (no value matches) is refused
     regex        the output matches the regular expression (Rust `regex` syntax, anchored)
     choice       the output is exactly one of these strings
     grammar      a context-free grammar: GBNF / EBNF (`root ::= ...`, as llama.cpp and xgrammar
@@ -67,9 +68,10 @@ class StructuredOutputsParams:
                 why = "is nested too deeply" if deep else f"is not valid JSON: {e}"
                 raise ValueError(f"structured_outputs.json {why}") from None
             if not isinstance(parsed, (dict, bool)):
+                kind = type(parsed).__name__
                 raise ValueError(
-                    "structured_outputs.json must be a JSON schema (an object), got "
-                    f"{type(parsed).__name__}"
+                    "structured_outputs.json must be a JSON schema (an object, or true / "
+                    f"false), got {kind}"
                 )
         if self.structural_tag is not None and not isinstance(self.structural_tag, (str, dict)):
             raise ValueError(

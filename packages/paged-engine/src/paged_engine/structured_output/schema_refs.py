@@ -70,7 +70,7 @@ def ref_cycle(schema: Any) -> list[str] | None:
         own: list[list[dict]] = []
         ref = node.get("$ref")
         if isinstance(ref, str):
-            target = _resolve(schema, ref, anchors)
+            target = resolve_ref(schema, ref, anchors)
             if isinstance(target, dict):
                 own.append([target])
                 todo.append((target, None, _canonical(ref)))
@@ -165,9 +165,10 @@ def _pointer(i: int | None, nodes: dict[int, tuple[int | None, str]]) -> str:
     return text if i is None and len(text) <= _POINTER_CHARS else "…" + text[-_POINTER_CHARS:]
 
 
-def _resolve(root: dict, ref: str, anchors: dict[str, dict]) -> Any:
+def resolve_ref(root: dict, ref: str, anchors: dict[str, dict]) -> Any:
     """The subschema `ref` points at inside `root` ("#", "#/json/pointer", "#anchor", or
-    either after the root's own `$id`); None if it is elsewhere or missing."""
+    either after the root's own `$id`); None if it is elsewhere or missing. `anchors`: one
+    dict per `root`, kept by the caller (filled with the root's `$anchor`s on first use)."""
     base = root.get("$id")
     if isinstance(base, str) and base and ref.startswith(base.split("#")[0]):
         ref = ref[len(base.split("#")[0]) :]

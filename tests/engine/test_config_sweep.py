@@ -21,7 +21,7 @@ Regressions:
   LFM3's (transformers' has them) left the checkpoint's biases unread; HY-V3's mlp_bias (biased
   dense and shared MLPs) failed at load without naming the field.
 - mlp_bias on the DeepSeek-style MoE models whose transformers MLPs never read it (GLM-4.5 MoE,
-  DeepSeek-V3, Mistral 4, dots.llm1, ...; layers/deepseek_moe.py MLP_BIAS_IGNORED_MODEL_TYPES)
+  DeepSeek-V3, Mistral 4, dots.llm1, ...; paged_engine/config_ignored.py IGNORED_FIELDS)
   was refused; so was DeepSeek-V4's (transformers biases its shared expert).
 """
 

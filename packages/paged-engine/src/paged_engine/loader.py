@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from paged_engine.bnb_checkpoint import bnb_scheme, unpack_bnb_weights
+from paged_engine.config_ignored import with_effective_fields
 from paged_engine.layers.linear import deferred_weights
 from paged_engine.layers.rotary import rope_context_len
 from paged_engine.load_progress import count_weights, track_weights
@@ -182,7 +183,7 @@ def apply_hf_overrides(config, overrides: dict | None):
             apply_hf_overrides(current, value)
         else:
             setattr(config, key, value)
-    return config
+    return with_effective_fields(config)  # an override of a field transformers never reads
 
 
 def with_kv_head_count(config):
@@ -205,7 +206,7 @@ def with_kv_head_count(config):
         # per-layer field globally. Models that differ read each layer's values themselves (and
         # `kv_cache_layout` sizes the cache); elsewhere the global value is the default layer's.
         config.allow_global_per_layer_attribute_access = True
-    return config
+    return with_effective_fields(config)  # fields transformers never reads (config_ignored.py)
 
 
 def _tokenizer_config(path: Path, trust_remote_code: bool) -> dict[str, Any]:

@@ -202,28 +202,6 @@ class SharedExpertsMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
-# Model types whose transformers MLPs never read config.mlp_bias (no biases whatever it says);
-# other types' mlp_bias=True is refused (DeepSeek-V2's dense and shared MLPs then have biases).
-MLP_BIAS_IGNORED_MODEL_TYPES = frozenset(
-    {
-        "deepseek_v3",
-        "deepseek_v32",
-        "dots1",
-        "glm4_moe",
-        "glm4_moe_lite",
-        "glm_moe_dsa",
-        "kimi_linear",
-        "minicpm5_moe",
-        "mistral4",
-        "solar_open",
-        "axk1",
-        "axk2",
-        "hy_v4",
-        "bailing_hybrid",
-    }
-)
-
-
 class DeepseekMoe(nn.Module):
     """Route, run the routed experts and the shared ones, all-reduce once. [T, H] -> [T, H].
 
@@ -280,8 +258,9 @@ class DeepseekMoe(nn.Module):
         act = getattr(config, "hidden_act", None) or "silu"
         if act not in ("silu", "swish"):
             raise ValueError(f"{cls.__name__} supports hidden_act='silu' only, got {act!r}")
-        ignored = getattr(config, "model_type", None) in MLP_BIAS_IGNORED_MODEL_TYPES
-        if getattr(config, "mlp_bias", False) and not ignored:
+        # DeepSeek-V2's dense and shared MLPs then have biases; the types whose transformers
+        # MLPs never read mlp_bias load with it False (config_ignored.py)
+        if getattr(config, "mlp_bias", False):
             raise ValueError(f"{cls.__name__} has no MLP biases (config.mlp_bias=True)")
         inter = int(config.moe_intermediate_size)
         common = dict(

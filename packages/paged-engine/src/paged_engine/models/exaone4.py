@@ -90,7 +90,6 @@ class Exaone4ForCausalLM(LlamaForCausalLM):
 
     @classmethod
     def layer_flags(cls, config) -> dict[str, bool]:
-        # windows per layer from exaone4_layers (set on each layer's attention); HF's EXAONE 4
-        # has no biases whatever attention_bias / mlp_bias say
-        no_bias = {"qkv_bias": False, "o_bias": False, "mlp_bias": False}
-        return {**LlamaForCausalLM.layer_flags(config), **no_bias, "qk_norm": True}
+        # windows per layer from exaone4_layers (set on each layer's attention); no biases:
+        # config_ignored.py sets attention_bias / mlp_bias, which HF's EXAONE 4 never reads
+        return {**LlamaForCausalLM.layer_flags(config), "qk_norm": True}

@@ -60,8 +60,9 @@ class Glm4ForCausalLM(LlamaForCausalLM):
 
     @classmethod
     def layer_flags(cls, config) -> dict[str, bool]:
-        # HF's GLM MLPs have no biases whatever mlp_bias says
-        return {**super().layer_flags(config), "o_bias": False, "mlp_bias": False}
+        # q / k / v follow attention_bias, o_proj never has one; GLM's MLPs have no biases
+        # whatever mlp_bias says, Helium's read it (config_ignored.py sets GLM's False)
+        return {**super().layer_flags(config), "o_bias": False}
 
     def convert_weight(self, name: str, w: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
         if ".gate_up_proj." in name:  # rows [gate: I | up: I] -> the stacked gate / up rules
@@ -80,10 +81,3 @@ class GlmForCausalLM(Glm4ForCausalLM):
             check_heads_span_hidden(config, "Helium")  # its o_proj is hidden x hidden
         inner = LlamaModel(config, self.layer_flags(config), is_neox_style=False)
         CausalLMBase.__init__(self, config, inner)
-
-    @classmethod
-    def layer_flags(cls, config) -> dict[str, bool]:
-        flags = super().layer_flags(config)
-        if getattr(config, "model_type", None) == "helium":  # HF's Helium MLP reads mlp_bias
-            flags["mlp_bias"] = bool(getattr(config, "mlp_bias", False))
-        return flags

@@ -176,14 +176,14 @@ class Lfm2ForCausalLM(CausalLMBase):
     tie_default = True
     family, kinds = "LFM2", LAYER_TYPES  # the layer_types it builds
     attention_cls: type[LlamaAttention] = LlamaAttention
-    attention_bias = False  # whether HF's attention reads config.attention_bias (LFM3's does)
 
     def __init__(self, config) -> None:
         cls = type(self)
         types = layer_types(config)
         if any(t not in cls.kinds for t in types):
             raise ValueError(f"{cls.family} layer_types must be among {cls.kinds}, got {types!r}")
-        bias = cls.attention_bias and bool(getattr(config, "attention_bias", False))
+        # LFM3's attention reads attention_bias; LFM2's never does (config_ignored.py)
+        bias = bool(getattr(config, "attention_bias", False))
         flags = {"qkv_bias": bias, "o_bias": bias, "qk_norm": True, "mlp_bias": False}
         flags["sliding"] = "sliding_attention" in cls.kinds  # windows by layer_types
         ropes = cls.build_ropes(config, types)  # attention layer type -> its rope
@@ -260,7 +260,6 @@ class Lfm3ForCausalLM(Lfm2ForCausalLM):
     renames = (*_RENAMES, (".self_attn.gate_proj.", ".self_attn.g_proj."))
     family, kinds = "LFM3", LFM3_LAYER_TYPES
     attention_cls = Lfm3Attention
-    attention_bias = True
 
     @classmethod
     def build_ropes(cls, config, types: list[str]) -> dict[str, RotaryEmbedding]:

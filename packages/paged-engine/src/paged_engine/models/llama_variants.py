@@ -60,9 +60,8 @@ class InternLMForCausalLM(LlamaForCausalLM):
 class CwmForCausalLM(LlamaForCausalLM):
     @classmethod
     def layer_flags(cls, config) -> dict[str, bool]:
-        # HF's CWM attention has no biases whatever attention_bias says
-        flags = super().layer_flags(config)
-        return {**flags, "qkv_bias": False, "o_bias": False, "sliding": True}
+        # no attention biases: config_ignored.py sets attention_bias, which HF's CWM never reads
+        return {**super().layer_flags(config), "sliding": True}
 
 
 class MiMoForCausalLM(Qwen2ForCausalLM):

@@ -113,8 +113,8 @@ class MiniMaxForCausalLM(MixtralForCausalLM):
         config = minimax_config(config)
         check_silu(config, type(self).__name__)
         cls = type(self)
-        # HF's full attention has no biases whatever attention_bias says
-        flags = {**cls.layer_flags(config), "qkv_bias": False, "o_bias": False}
+        # no attention biases: config_ignored.py sets attention_bias, which HF's never reads
+        flags = cls.layer_flags(config)
         head_dim = llama_head_dim(config)
         rotary_dim = getattr(config, "rotary_dim", None)
         partial = getattr(config, "partial_rotary_factor", None)

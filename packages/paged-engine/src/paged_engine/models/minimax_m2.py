@@ -25,14 +25,12 @@ splits its experts and reduces once.
 
 from __future__ import annotations
 
-import copy
-
 import torch
 from torch import nn
 
 from paged_engine.distributed.communication import tp_all_reduce
 from paged_engine.layers.deepseek_moe import DeepseekMoe
-from paged_engine.layers.rotary import RotaryEmbedding, get_rope
+from paged_engine.layers.rotary import get_rope
 from paged_engine.models.deepseek_v2 import DeepseekModel
 from paged_engine.models.llama import llama_head_dim
 from paged_engine.models.mixtral import MixtralForCausalLM, check_silu, expert_rules, num_experts
@@ -42,12 +40,8 @@ from paged_engine.models.utils import CausalLMBase
 
 class MiniMaxM2Attention(Olmo2Attention):
     """OLMo 2's attention (whole-projection q / k norms before RoPE) with Llama's rounding:
-    round(x / rms(x)) * weight. No biases whatever attention_bias says (HF's has none)."""
-
-    def __init__(self, config, rope: RotaryEmbedding) -> None:
-        view = copy.copy(config)  # OLMo 2's attention reads its biases from the config
-        view.attention_bias = False
-        super().__init__(view, rope)
+    round(x / rms(x)) * weight. No biases: config_ignored.py sets attention_bias, which HF's
+    MiniMax-M2 never reads."""
 
     def _norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         qf, kf = q.float(), k.float()

@@ -7,10 +7,9 @@ from paged_engine.models.llama import LlamaForCausalLM
 
 class MistralForCausalLM(LlamaForCausalLM):
     """Llama's weights and layers, plus config.sliding_window (`layer_sliding_window`), which
-    Llama ignores as HF's does. No biases whatever attention_bias / mlp_bias say (HF's
-    Mistral and Ministral read neither)."""
+    Llama ignores as HF's does. No biases: config_ignored.py sets attention_bias / mlp_bias,
+    which HF's Mistral and Ministral never read."""
 
     @classmethod
     def layer_flags(cls, config) -> dict[str, bool]:
-        no_bias = {"qkv_bias": False, "o_bias": False, "mlp_bias": False}
-        return {**super().layer_flags(config), **no_bias, "sliding": True}
+        return {**super().layer_flags(config), "sliding": True}

@@ -97,12 +97,9 @@ class MixtralForCausalLM(CausalLMBase):
     @classmethod
     def layer_flags(cls, config) -> dict[str, bool]:
         # Llama's attention with the window; "mlp_bias" is read by dense MLPs only (Qwen3-MoE's
-        # dense layers). Subclasses' attention biases follow attention_bias (OLMoE's, AFMoE's);
-        # HF's Mixtral has none whatever it says.
-        flags = {**LlamaForCausalLM.layer_flags(config), "sliding": True, "mlp_bias": False}
-        if cls is MixtralForCausalLM:
-            flags.update(qkv_bias=False, o_bias=False)
-        return flags
+        # dense layers). Attention biases follow attention_bias (OLMoE's, AFMoE's), which HF's
+        # Mixtral never reads (config_ignored.py sets it False).
+        return {**LlamaForCausalLM.layer_flags(config), "sliding": True, "mlp_bias": False}
 
     @classmethod
     def build_mlp(cls, config, layer_idx: int) -> nn.Module:

@@ -29,7 +29,7 @@ class OlmoAttention(ClipQKVAttention):
 
 class OlmoForCausalLM(LlamaForCausalLM):
     def __init__(self, config):
-        flags = {**self.layer_flags(config), "mlp_bias": False}  # HF's MLP: none whatever it says
+        flags = self.layer_flags(config)  # mlp_bias, which HF's never reads: config_ignored.py
         d = config.hidden_size
 
         def build(i: int, rope: RotaryEmbedding) -> LlamaDecoderLayer:

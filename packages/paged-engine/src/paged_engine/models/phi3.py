@@ -19,10 +19,9 @@ from paged_engine.models.utils import cfg_get
 class Phi3ForCausalLM(LlamaForCausalLM):
     @classmethod
     def layer_flags(cls, config) -> dict[str, bool]:
-        """Llama's, with the sliding window and no biases (HF's Phi-3 reads no attention_bias
-        / mlp_bias)."""
-        no_bias = {"qkv_bias": False, "o_bias": False, "mlp_bias": False}
-        return {**super().layer_flags(config), **no_bias, "sliding": True}
+        """Llama's, with the sliding window; no biases (config_ignored.py sets attention_bias
+        / mlp_bias, which HF's Phi-3 never reads)."""
+        return {**super().layer_flags(config), "sliding": True}
 
     def convert_weight(self, name: str, w: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
         if ".qkv_proj." in name:  # rows [q: H*D | k: Hkv*D | v: Hkv*D]

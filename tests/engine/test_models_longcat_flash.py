@@ -51,15 +51,6 @@ def test_longcat_flash_refuses_by_name(overrides: dict, field: str) -> None:
         LongcatFlashForCausalLM(config)
 
 
-def test_longcat_flash_refuses_pipeline_split_of_a_layer(tmp_path) -> None:
-    from paged_engine import LLM
-
-    # 3 layers over 2 stages split 2 | 1, their 6 caches 3 | 3: a layer would lose a cache
-    path = write_tiny_model(tmp_path, "longcat_flash", seed=1, num_layers=3)
-    with pytest.raises(ValueError, match="num_layers"):
-        LLM(model=str(path), dtype="float32", max_model_len=64, pipeline_parallel_size=2)
-
-
 def test_longcat_flash_skips_mtp_weights(tmp_path) -> None:
     """The released checkpoints carry multi-token-prediction weights (`model.mtp.*`) that HF
     skips on load; so do we, and the outputs stay the same."""

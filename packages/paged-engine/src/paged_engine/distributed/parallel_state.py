@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -144,12 +145,56 @@ def destroy_parallel_state() -> None:
         dist.destroy_process_group()
 
 
+# vLLM's override of the split: the decoder layers of each stage, first to last ("10,14").
+PP_LAYER_PARTITION = "VLLM_PP_LAYER_PARTITION"
+
+
+def layer_partition(pp_size: int) -> list[int] | None:
+    """The stage sizes `VLLM_PP_LAYER_PARTITION` asks for, checked against `pp_size` (one
+    positive count a stage); None when it is unset or there is one stage (which holds every
+    layer whatever it says). Its sum is checked against the model in `stage_sizes`.
+
+    Every process reads the variable itself: spawned workers inherit the engine's environment
+    and torchrun ranks get the launcher's, and the engine checks it (`check_model_parallelism`)
+    before any rank starts, so every rank and caller splits the same way."""
+    text = os.environ.get(PP_LAYER_PARTITION)
+    if text is None or pp_size == 1:
+        return None
+    try:
+        sizes = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise ValueError(
+            f"{PP_LAYER_PARTITION}={text!r} must be the decoder layers of each pipeline stage, "
+            "comma-separated (e.g. '10,14')"
+        ) from None
+    if len(sizes) != pp_size:
+        raise ValueError(
+            f"{PP_LAYER_PARTITION}={text!r} names {len(sizes)} stages, "
+            f"pipeline_parallel_size={pp_size}"
+        )
+    if min(sizes) < 1:
+        raise ValueError(
+            f"{PP_LAYER_PARTITION}={text!r}: every pipeline stage must hold at least one "
+            "decoder layer"
+        )
+    return sizes
+
+
 def stage_sizes(num_layers: int, pp_size: int) -> list[int]:
-    """How many decoder layers each pipeline stage holds (vLLM's default split): an even share,
-    and the remainder one layer each to the stages just before the last (the last stage also
-    runs the final norm and the LM head; with fewer extra layers than middle stages the first
-    stage, which runs the embedding, gets none either). 5 layers over 3 stages: [2, 2, 1];
-    4 over 3: [1, 2, 1]."""
+    """How many of the model's `num_layers` decoder layers each pipeline stage holds:
+    `VLLM_PP_LAYER_PARTITION` when set (`layer_partition`), else vLLM's default split: an even
+    share, and the remainder one layer each to the stages just before the last (the last stage
+    also runs the final norm and the LM head; with fewer extra layers than middle stages the
+    first stage, which runs the embedding, gets none either). 5 layers over 3 stages:
+    [2, 2, 1]; 4 over 3: [1, 2, 1]."""
+    sizes = layer_partition(pp_size)
+    if sizes is not None:
+        if sum(sizes) != num_layers:
+            raise ValueError(
+                f"{PP_LAYER_PARTITION}={os.environ[PP_LAYER_PARTITION]!r} sums to {sum(sizes)} "
+                f"layers; the model has {num_layers} decoder layers"
+            )
+        return sizes
     if num_layers < pp_size:
         raise ValueError(
             f"pipeline_parallel_size={pp_size} exceeds the model's {num_layers} decoder layers"
@@ -160,10 +205,38 @@ def stage_sizes(num_layers: int, pp_size: int) -> list[int]:
 
 def stage_layers(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
     """The decoder layers [start, end) of pipeline stage `pp_rank`: contiguous, sized by
-    `stage_sizes`."""
+    `stage_sizes`. `num_layers` always counts decoder layers (what `VLLM_PP_LAYER_PARTITION`
+    sums to): a per-layer list of k entries a layer (LongCat-Flash's two caches) takes its
+    entries [k * start, k * end) (`worker/cache_engine.py: kv_layers`), never a split of its
+    own length, so every caller cuts at the same layer boundaries."""
     sizes = stage_sizes(num_layers, pp_size)
     start = sum(sizes[:pp_rank])
     return start, start + sizes[pp_rank]
+
+
+def decoder_layer_count(hf_config) -> int | None:
+    """The decoder layers the pipeline stages split, from the config: the model class's own
+    count where it counts them its way (`decoder_layer_count`: LongCat-Flash, whose HF
+    num_hidden_layers counts its two attention sublayers a layer), else the layer field of
+    the language model's config (a VLM's text_config); None when the config names none."""
+    from paged_engine.models import get_model_class  # the model registry imports this module
+
+    try:
+        own = getattr(get_model_class(hf_config), "decoder_layer_count", None)
+    except ValueError:  # not a registered architecture: the loader names it later
+        own = None
+    if own is not None:
+        return int(own(hf_config))
+    try:
+        text = hf_config.get_text_config()
+    except (AttributeError, ValueError):  # not a transformers config; several text configs
+        text = hf_config
+    names = ("num_hidden_layers", "n_layer", "n_layers", "num_layers")
+    for config in (text, hf_config):
+        count = next((n for n in (_config_int(config, k) for k in names) if n), None)
+        if count is not None:
+            return count
+    return None
 
 
 def _config_int(hf_config, name: str) -> int | None:
@@ -248,7 +321,7 @@ def check_model_parallelism(hf_config, tp_size: int, pp_size: int) -> None:
                 f"tensor_parallel_size={tp_size} must divide the model's {name}={count} "
                 "(or the model have a single group, replicated on every rank)"
             )
-    names = ("num_hidden_layers", "n_layer", "n_layers", "num_layers")
-    layers = next((n for n in (_config_int(hf_config, k) for k in names) if n), None)
-    if layers is not None:  # otherwise the model's own stage split refuses too many stages
-        stage_sizes(layers, pp_size)  # raises when there are more stages than layers
+    layer_partition(pp_size)  # a malformed VLLM_PP_LAYER_PARTITION, whatever the model
+    layers = decoder_layer_count(hf_config)
+    if layers is not None:  # otherwise the model's own stage split refuses these
+        stage_sizes(layers, pp_size)  # more stages than layers, a partition of another sum

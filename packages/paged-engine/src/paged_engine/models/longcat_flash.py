@@ -22,9 +22,10 @@ experts, as transformers runs it.
 
 Refused by name: `router_bias` (HF builds the bias and never adds it), `qk_head_dim` other than
 qk_nope_head_dim + qk_rope_head_dim, `head_dim` other than qk_rope_head_dim, a hidden_act other
-than SiLU, and pipeline sizes that would split a layer's two caches apart (`num_layers` must
-split into stages the way 2 * num_layers caches do). The multi-token-prediction weights
-(`model.mtp.*`) are skipped, as HF skips them (models/mtp_more.py runs them as a draft).
+than SiLU. Pipeline stages split the `num_layers` layers (`decoder_layer_count`, also what
+VLLM_PP_LAYER_PARTITION sums to) and each stage caches its layers' pairs of entries. The
+multi-token-prediction weights (`model.mtp.*`) are skipped, as HF skips them (models/mtp_more.py
+runs them as a draft).
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ import torch
 from torch import nn
 
 from paged_engine.distributed.communication import tp_all_reduce
-from paged_engine.distributed.parallel_state import get_parallel_state, stage_layers
 from paged_engine.layers.attention import AttentionMetadata
 from paged_engine.layers.deepseek_moe import DeepseekRouter
 from paged_engine.layers.embedding import VocabParallelEmbedding
@@ -178,14 +178,6 @@ def check_config(config) -> None:
         raise ValueError(f"head_dim={head_dim} must equal qk_rope_head_dim={rope}")
     if config.q_lora_rank is None:
         raise ValueError("LongcatFlashForCausalLM needs q_lora_rank (HF always has q_a_proj)")
-    state = get_parallel_state()
-    layers = stage_layers(config.num_layers, state.pp_rank, state.pp_size)
-    caches = stage_layers(2 * config.num_layers, state.pp_rank, state.pp_size)
-    if (2 * layers[0], 2 * layers[1]) != caches:
-        raise ValueError(
-            f"pipeline_parallel_size={state.pp_size} must divide num_layers={config.num_layers}"
-            " (each layer's two attention caches stay on one stage)"
-        )
 
 
 class LongcatFlashForCausalLM(CausalLMBase):
@@ -206,9 +198,15 @@ class LongcatFlashForCausalLM(CausalLMBase):
         rules = expert_rules(int(config.n_routed_experts), "gate_proj", "up_proj", "down_proj")
         self.stacked_params = (*rules, *type(self).stacked_params)
 
+    @staticmethod
+    def decoder_layer_count(config) -> int:
+        """`num_layers`: HF's num_hidden_layers counts the attention sublayers (two a layer).
+        Pipeline stages split these; a stage's caches are its layers' pairs
+        (worker/cache_engine.py: kv_layers)."""
+        return int(config.num_layers)
+
     def num_decoder_layers(self) -> int:
-        """`num_layers`: HF's num_hidden_layers counts the attention sublayers (two a layer)."""
-        return int(self.config.num_layers)
+        return self.decoder_layer_count(self.config)
 
     def convert_weight(self, name: str, w: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
         if name.startswith("model.mtp."):  # multi-token prediction: unused, as in HF

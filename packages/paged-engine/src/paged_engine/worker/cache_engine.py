@@ -7,7 +7,11 @@ import torch
 
 import paged_kernels
 from paged_engine.attention import AttentionBackend
-from paged_engine.distributed.parallel_state import get_parallel_state, stage_layers
+from paged_engine.distributed.parallel_state import (
+    decoder_layer_count,
+    get_parallel_state,
+    stage_layers,
+)
 from paged_engine.models import kv_cache_layout
 from paged_engine.models.hybrid import is_hybrid, num_kv_layers
 from paged_engine.worker import host_memory
@@ -72,8 +76,23 @@ def kv_layers(hf_config) -> list[tuple[int, int]]:
     if not layers:
         return []
     state = get_parallel_state()
-    start, end = stage_layers(len(layers), state.pp_rank, state.pp_size)
-    return [(max(1, heads // state.tp_size), dim) for heads, dim in layers[start:end]]
+    if state.pp_size > 1:
+        start, end = _stage_slice(hf_config, len(layers), state.pp_rank, state.pp_size)
+        layers = layers[start:end]
+    return [(max(1, heads // state.tp_size), dim) for heads, dim in layers]
+
+
+def _stage_slice(hf_config, count: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
+    """The entries of stage `pp_rank` in a per-layer cache list of `count` entries: the stage's
+    decoder layers (`stage_layers`) times the entries a layer (one; LongCat-Flash's two, layer
+    by layer), so a stage caches exactly the layers it built. A model whose list is not a whole
+    multiple of its layers (a hybrid's attention layers only) refuses pipeline stages itself."""
+    layers = decoder_layer_count(hf_config)
+    if not layers or count % layers:
+        return stage_layers(count, pp_rank, pp_size)
+    per_layer = count // layers
+    start, end = stage_layers(layers, pp_rank, pp_size)
+    return per_layer * start, per_layer * end
 
 
 def kv_head_dim(hf_config) -> int:

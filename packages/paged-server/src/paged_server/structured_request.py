@@ -84,6 +84,13 @@ def _response_format(rf: Any) -> dict[str, Any] | None:
     if kind == "json_object":
         return {"json_object": True}
     if kind == "structural_tag":  # the grammar's checks name its paths (structural_tag.py)
+        structures = rf.get("structures")
+        for i, s in enumerate(structures if isinstance(structures, list) else []):
+            schema = s.get("schema") if isinstance(s, dict) else None
+            if schema is not None and not isinstance(schema, dict):  # (vLLM: dict[str, Any])
+                raise bad_request(
+                    f"'response_format.structures[{i}].schema' must be an object", "response_format"
+                )
         return {"structural_tag": rf}
     if kind != "json_schema":
         raise bad_request(
@@ -101,7 +108,7 @@ def _response_format(rf: Any) -> dict[str, Any] | None:
         raise bad_request(
             "'response_format.json_schema.name' must be a non-empty string", "response_format"
         )
-    schema = js.get("schema", {})
+    schema = js.get("schema", {"type": "object"})  # (absent: any JSON object)
     if not isinstance(schema, (dict, bool)):  # true / false: JSON Schema's boolean schemas
         raise bad_request(
             "'response_format.json_schema.schema' must be an object (or true / false)",
@@ -111,7 +118,7 @@ def _response_format(rf: Any) -> dict[str, Any] | None:
         raise bad_request(
             "'response_format.json_schema.strict' must be a boolean", "response_format"
         )
-    return {"json": schema if schema != {} else {"type": "object"}}
+    return {"json": schema}  # (`{}`: any JSON value, as vLLM passes it on)
 
 
 def check_structured(params: Any, param: str | None) -> None:

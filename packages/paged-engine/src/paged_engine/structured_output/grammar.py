@@ -45,6 +45,7 @@ from paged_engine.structured_output.work_bounds import (
     check_regex,
     check_rule_repeats,
     check_spec,
+    check_structural_tag,
 )
 
 EXTRA_HINT = "install it with: pip install 'paged-engine[structured]'"
@@ -191,7 +192,7 @@ def _check_work(kind: str, spec: Any, field: str) -> None:
     elif kind == "structural_tag":
         with contextlib.suppress(ValueError, RecursionError):  # structural_tag_lark says why
             spec = json.loads(spec) if isinstance(spec, str) else spec
-        check_spec(spec, field)
+        check_structural_tag(spec, field)
 
 
 def _json_options(no_whitespace: bool, whitespace: str | None) -> dict[str, Any]:

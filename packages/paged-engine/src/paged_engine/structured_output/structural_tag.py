@@ -9,7 +9,8 @@ Two forms, as vLLM takes them (a JSON string or object):
 FORMAT is one of
 
     {"type": "const_string", "value": s}            exactly s
-    {"type": "json_schema", "json_schema": schema}  one JSON value valid under it
+    {"type": "json_schema", "json_schema": schema}  one JSON value valid under it (`true`: any;
+                                                    `false`, which nothing matches, is refused)
     {"type": "regex", "pattern": p}                 text matching p
     {"type": "any_text"}                            any text; inside a tag (or before a constant)
                                                     it ends at the first occurrence of what
@@ -91,6 +92,8 @@ def _legacy(spec: dict, name: str) -> dict:
                 schema = json.loads(schema)
             except ValueError as e:
                 raise ValueError(f"{where}.schema is not valid JSON: {e}") from None
+        if schema is False:
+            raise ValueError(f"{where}.schema is invalid: the schema `false` matches no JSON value")
         content = {"type": "json_schema", "json_schema": schema}
         tags.append(
             {"type": "tag", "begin": s.get("begin"), "content": content, "end": s.get("end")}
@@ -134,8 +137,12 @@ class _Builder:
 
     def _json_schema(self, fmt: dict, where: str, follow: str | None) -> tuple[str, bool]:
         schema = fmt.get("json_schema")
-        if isinstance(schema, bool):
-            schema = {} if schema else {"not": {}}
+        if schema is False:  # (xgrammar: "Schema 'false' cannot accept any value")
+            raise ValueError(
+                f"{where}.json_schema is invalid: the schema `false` matches no JSON value"
+            )
+        if schema is True:  # any JSON value
+            schema = {}
         if not isinstance(schema, dict):
             raise ValueError(f"{where}.json_schema must be a JSON schema (an object)")
         text = json.dumps({**schema, "x-guidance": self.json_options})

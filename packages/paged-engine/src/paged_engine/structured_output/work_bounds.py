@@ -29,6 +29,8 @@ llguidance refused 0 ("invalid multiple of") but served -2 as 2.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import math
 import re
 from collections.abc import Iterator
@@ -43,8 +45,18 @@ MAX_ALTERNATIVES = 2_000  # llguidance's default ParserLimits.max_items_in_row
 # `{n}`, `{n,}`, `{n,m}`, `{,m}` (spaces allowed, as Rust's regex does)
 _COUNT = re.compile(r"\{\s*(\d*)\s*(,?)\s*(\d*)\s*\}")
 _BRACED_ESCAPES = frozenset("pPxuU")  # `\p{Greek}`, `\x{10FFFF}`: braces that are no count
-# keywords whose values map names to subschemas (a property may be named "const")
-_SCHEMA_MAPS = ("properties", "$defs", "definitions", "dependentSchemas")
+# keywords whose values are subschemas (JSON Schema 2020-12, with draft-07's spellings):
+# name -> subschema (a property may be named "const" or "pattern")
+_SCHEMA_MAPS = frozenset(
+    ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies")
+)
+_SCHEMA_LISTS = frozenset(("items", "prefixItems", "allOf", "anyOf", "oneOf"))  # or one subschema
+_SCHEMA_ONE = frozenset(
+    (
+        "not", "if", "then", "else", "contains", "additionalProperties", "additionalItems",
+        "unevaluatedProperties", "unevaluatedItems", "propertyNames", "contentSchema",
+    )
+)  # fmt: skip
 
 
 def repeat_product(regex: str) -> int:
@@ -213,21 +225,23 @@ def _form_count(form: str | None) -> int:
     return max(count, int(low[:13] or 0), 1)
 
 
-def check_spec(spec: Any, field: str) -> None:
+def check_spec(schema: Any, field: str) -> None:
     """ValueError naming `field` past any bound, for every `pattern` (and `patternProperties`
-    key), every `const` / `enum` value and every `anyOf` / `oneOf` anywhere in `spec` (a JSON
-    schema, or a structural tag with schemas and regexes inside); also for a `multipleOf` that
-    is no number > 0 (check_multiple_of)."""
+    key), every `const` / `enum` value and every `anyOf` / `oneOf` of the JSON schema `schema`;
+    also for a `multipleOf` that is no number > 0 (check_multiple_of). Subschemas are what the
+    keywords of _SCHEMA_MAPS / _SCHEMA_LISTS / _SCHEMA_ONE hold and what a local `$ref` points
+    at (anywhere: llguidance follows `#/components/x` or `#/default` too); data (`default`,
+    `examples`, `const`, `enum`) and unknown keywords are not looked into (llguidance ignores
+    them: a `pattern` in an example is no pattern)."""
+    if not isinstance(schema, dict):
+        return
     consts = 0
-    alternatives = _Alternatives(spec)
-    todo = [spec]
+    alternatives = _Alternatives(schema)
+    seen = {id(schema)}
+    todo = [schema]
     while todo:
         node = todo.pop()
-        if isinstance(node, list):
-            todo.extend(node)
-            continue
-        if not isinstance(node, dict):
-            continue
+        subs: list[Any] = []
         for key, value in node.items():
             if key == "pattern" and isinstance(value, str):
                 check_regex(value, f"{field} pattern {value[:60]!r}")
@@ -236,10 +250,8 @@ def check_spec(spec: Any, field: str) -> None:
                     check_regex(name, f"{field} patternProperties key {name[:60]!r}")
             elif key == "multipleOf":
                 check_multiple_of(value, field)
-            if key in ("anyOf", "oneOf") and isinstance(value, list):
-                alternatives.check(value, f"{field} {key}")
-            if key in _SCHEMA_MAPS and isinstance(value, dict):  # names -> subschemas
-                todo.extend(value.values())
+            elif key == "$ref" and isinstance(value, str):
+                subs.append(alternatives.resolve(value))
             elif key in ("const", "enum"):
                 consts += _members(value, MAX_CONST_VALUES - consts + 1, key == "enum")
                 if consts > MAX_CONST_VALUES:
@@ -249,8 +261,45 @@ def check_spec(spec: Any, field: str) -> None:
                         "grammar rule of its own): describe such a value with properties / "
                         "items instead"
                     )
+            if key in _NESTED and isinstance(value, list):
+                alternatives.check(value, f"{field} {key}")
+            if key in _SCHEMA_MAPS and isinstance(value, dict):  # names -> subschemas
+                subs.extend(value.values())
+            elif key in _SCHEMA_LISTS and isinstance(value, list):
+                subs.extend(value)
+            elif key in _SCHEMA_LISTS or key in _SCHEMA_ONE:
+                subs.append(value)
+        for sub in subs:  # (a boolean subschema has nothing to check)
+            if isinstance(sub, dict) and id(sub) not in seen:
+                seen.add(id(sub))
+                todo.append(sub)
+
+
+def check_structural_tag(tag: Any, field: str) -> None:
+    """check_spec for each JSON schema of a structural tag (a `json_schema` format's, an older
+    form's `structures[i].schema`, given as JSON text too) and check_regex for each `regex`
+    format's pattern, errors naming the path; a malformed tag is left to structural_tag.py."""
+    todo: list[tuple[Any, str]] = [(tag, field)]
+    while todo:
+        node, where = todo.pop()
+        if isinstance(node, list):
+            todo.extend((item, f"{where}[{i}]") for i, item in enumerate(node))
+            continue
+        if not isinstance(node, dict):
+            continue
+        for key, value in node.items():
+            path = f"{where}.{key}"
+            if key == "json_schema" and node.get("type") == "json_schema":
+                check_spec(value, path)
+            elif key == "schema" and "begin" in node:  # the older form's structures
+                if isinstance(value, str):
+                    with contextlib.suppress(ValueError, RecursionError):
+                        value = json.loads(value)  # (invalid JSON: structural_tag.py says why)
+                check_spec(value, path)
+            elif key == "pattern" and node.get("type") == "regex" and isinstance(value, str):
+                check_regex(value, f"{where} pattern {value[:60]!r}")
             elif isinstance(value, (dict, list)):
-                todo.append(value)
+                todo.append((value, path))
 
 
 def check_multiple_of(value: Any, field: str) -> None:
@@ -304,7 +353,16 @@ class _Alternatives:
     def __init__(self, root: Any) -> None:
         self.root = root
         self.anchors: dict[str, dict] = {}  # resolve_ref's, for this root
+        self.targets: dict[str, Any] = {}  # $ref -> what it points at (None: not here)
         self.found: dict[int, _Found] = {}  # id(subschema) -> its alternatives
+
+    def resolve(self, ref: str) -> Any:
+        """What the local `ref` points at in the root (each $ref text resolved once)."""
+        if ref not in self.targets:
+            root = self.root
+            found = resolve_ref(root, ref, self.anchors) if isinstance(root, dict) else None
+            self.targets[ref] = found
+        return self.targets[ref]
 
     def check(self, members: list, field: str) -> None:
         """ValueError naming `field` if `members` flatten to more than MAX_ALTERNATIVES objects,
@@ -370,8 +428,8 @@ class _Alternatives:
         """The subschemas `node` flattens into: its anyOf / oneOf members and its $ref's target."""
         out = [m for k in _NESTED if isinstance(node.get(k), list) for m in node[k]]
         ref = node.get("$ref")
-        if isinstance(ref, str) and isinstance(self.root, dict):
-            out.append(resolve_ref(self.root, ref, self.anchors))
+        if isinstance(ref, str):
+            out.append(self.resolve(ref))
         return [m for m in out if isinstance(m, dict)]
 
     def _count(self, members: list) -> dict[str, int]:

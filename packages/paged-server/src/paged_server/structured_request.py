@@ -66,6 +66,12 @@ def parse_structured(body: dict[str, Any]) -> tuple[dict[str, Any] | None, str |
     if not found:
         return None, None
     spec, name = found[0]
+    if isinstance(spec.get("json"), bool):  # vLLM's types (str | dict) refuse a boolean schema
+        raise bad_request(
+            f"'{name}': a JSON schema must be an object or JSON text, got "
+            f"{str(spec['json']).lower()} (a boolean schema: use {{}} for any JSON value)",
+            name,
+        )
     if ws is not None:
         spec.setdefault("whitespace_pattern", ws)
     return spec, name
@@ -109,10 +115,9 @@ def _response_format(rf: Any) -> dict[str, Any] | None:
             "'response_format.json_schema.name' must be a non-empty string", "response_format"
         )
     schema = js.get("schema", {"type": "object"})  # (absent: any JSON object)
-    if not isinstance(schema, (dict, bool)):  # true / false: JSON Schema's boolean schemas
+    if not isinstance(schema, dict):  # (vLLM's type: dict; a boolean schema too is a 400)
         raise bad_request(
-            "'response_format.json_schema.schema' must be an object (or true / false)",
-            "response_format",
+            "'response_format.json_schema.schema' must be an object", "response_format"
         )
     if js.get("strict") not in (None, True, False):
         raise bad_request(

@@ -126,6 +126,21 @@ class _State:
     first_token: float | None = None
 
 
+class ById(dict):
+    """Records by the engine's request id, which the server makes unique by a suffix
+    ("cmpl-x-0-1a2b3c4d", engine_client.internal_request_id): a lookup by the client's id
+    ("cmpl-x-0") finds the newest record of it."""
+
+    def __missing__(self, key: str) -> Any:
+        for k in reversed(self):
+            if k.rsplit("-", 1)[0] == key:
+                return self[k]
+        raise KeyError(key)
+
+    def __contains__(self, key: object) -> bool:
+        return super().__contains__(key) or any(k.rsplit("-", 1)[0] == key for k in self)
+
+
 class FakeEngine:
     """The engine core (`waiting`, `running`) and the output stage (`states`) are apart, as in
     the engine: `step_core` returns token ids, `process_outputs` turns them into text and
@@ -153,13 +168,13 @@ class FakeEngine:
         self.waiting: list[_Req] = []
         self.states: dict[str, _State] = {}  # the output stage's, like OutputProcessor.states
         self.prompt_tokens = self.gen_tokens = 0
-        self.params: dict[str, SamplingParams] = {}  # every request ever added, by id
-        self.priorities: dict[str, int] = {}  # the priority each request was added with
-        self.prompts: dict[str, Any] = {}  # the prompt each request was added with
+        self.params: dict[str, SamplingParams] = ById()  # every request ever added, by id
+        self.priorities: dict[str, int] = ById()  # the priority each request was added with
+        self.prompts: dict[str, Any] = ById()  # the prompt each request was added with
         self.threads: dict[str, set[str]] = {}  # method -> names of the threads that called it
         self.stopped: list[tuple[str, int, str]] = []  # every finish_seqs entry
         self.enable_lora = enable_lora
-        self.lora_requests: dict[str, Any] = {}  # every request's LoRARequest (or None), by id
+        self.lora_requests: dict[str, Any] = ById()  # every request's LoRARequest (or None)
         self.loras: dict[int, Any] = {}  # loaded adapters by lora_int_id
         self.die_at: float | None = None  # see the module docstring: a rank lost then
 

@@ -322,6 +322,22 @@ class OpenAIApp:
     def _model(self, requested: str | None) -> str:
         return self._resolve(requested)[0]
 
+    @staticmethod
+    def base_request_id(h: Handler, default: str | None = None) -> str:
+        """vLLM's `_base_request_id`: the X-Request-Id header when sent, else `default` (the
+        body's `request_id`), else a random id. The response id is a prefix plus this; it need
+        not be unique (each engine request gets an internal id of its own: engine_client.py).
+        A 400 names a header that makes no id (ASCII only: headers arrive decoded as Latin-1)."""
+        rid = h.headers.get("X-Request-Id") if h.headers is not None else None
+        if not rid:  # absent or empty (as a proxy may send it): not the client's choice
+            return default or uuid.uuid4().hex
+        if not (len(rid) <= 128 and rid.isascii() and rid.isprintable()):
+            raise bad_request(
+                "the 'X-Request-Id' header must be at most 128 printable ASCII characters",
+                "X-Request-Id",
+            )
+        return rid
+
     def _resolve(self, requested: str | None) -> tuple[str, Any]:
         """(the name responses echo, the adapter's LoRARequest or None for the base model)."""
         if requested is not None and not isinstance(requested, str):
@@ -853,7 +869,7 @@ class OpenAIApp:
         `lora` the adapter `model` named (every prompt runs with it)."""
         if self.force_include_usage and req.stream:
             req.include_usage = True  # vLLM's --enable-force-include-usage
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{req.request_id or uuid.uuid4().hex}"
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{self.base_request_id(h, req.request_id)}"
         scoring_stream = req.stream and req.max_tokens == 0  # answered whole, then as one event
         group, rids = self._submit(
             req, texts, ids, rid, chat=chat, lora=lora, stream=req.stream and not scoring_stream

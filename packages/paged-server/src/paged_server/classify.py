@@ -15,7 +15,6 @@ request, batched with whatever else the engine runs.
 
 from __future__ import annotations
 
-import uuid
 from typing import TYPE_CHECKING, Any
 
 from paged_engine.pooling import PoolingParams
@@ -76,7 +75,7 @@ def serve_classify(app: OpenAIApp, h: Handler) -> None:
         prompt_tokens(app, item, f"input[{i}]", req["truncate"], req["add_special_tokens"])
         for i, item in enumerate(req["inputs"])
     ]
-    rid = f"classify-{uuid.uuid4().hex}"
+    rid = f"classify-{app.base_request_id(h)}"
     params = PoolingParams(use_activation=req["use_activation"], task="classify")
     outs = run_pooling(app, h, rid, ids, params, lora, req["priority"])
     data = []

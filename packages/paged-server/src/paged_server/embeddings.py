@@ -26,7 +26,6 @@ from __future__ import annotations
 import base64
 import struct
 import time
-import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -303,7 +302,7 @@ def serve_embeddings(app: OpenAIApp, h: Handler, route: str = "/v1/embeddings") 
             for i, item in enumerate(req.inputs)
         ]
     pooling = route == "/pooling"
-    rid = f"{'pool' if pooling else 'embd'}-{uuid.uuid4().hex}"
+    rid = f"{'pool' if pooling else 'embd'}-{app.base_request_id(h)}"
     outs = run_pooling(app, h, rid, ids, req.params, lora, req.priority)
     key = "data" if pooling else "embedding"
     data = [

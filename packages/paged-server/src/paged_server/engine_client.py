@@ -44,6 +44,11 @@ Invariants:
   `start(engine_thread=True)` spawns one instead (tests, embedding).
 - stop(): the engine loop fails every request still in flight with a 503 and returns; an end
   marker queued behind its last outputs ends the output thread; both are waited for.
+- Request ids: the callers' ids (`RequestGroup.request_ids`, "cmpl-<X-Request-Id>-0") are
+  external and may repeat (two clients sending one X-Request-Id); each engine request gets an
+  internal id of its own, the external id plus 8 random hex digits (vLLM's
+  `InputProcessor.assign_request_id`), which keys `_streams` and every engine call. An abort
+  names external ids and reaches only the streams of its group (or of every group: no group).
 - `stats` is an immutable snapshot replaced by the engine thread after every step and every batch
   of commands, so /metrics and /health never wait for the engine. A request handed over is
   counted as waiting in `_pending_adds` until a snapshot taken after its add counts it, so the
@@ -58,6 +63,7 @@ import queue
 import re
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
@@ -101,6 +107,7 @@ class _Stream:
 class _Add:
     group: RequestGroup
     index: int
+    engine_id: str  # the engine's (internal, unique) id of group member `index`
     prompt: dict[str, Any]  # {"prompt_token_ids": ids} and, for a text prompt, "prompt": text
     params: SamplingParams
     arrival: float
@@ -250,7 +257,10 @@ class EngineClient:
         with self._pending_lock:
             self._pending_adds += len(prompts)
         for i, prompt in enumerate(prompts):
-            self._commands.put(_Add(group, i, prompt, params, now, lora_request, priority))
+            engine_id = internal_request_id(request_ids[i])
+            self._commands.put(
+                _Add(group, i, engine_id, prompt, params, now, lora_request, priority)
+            )
         self._wake.set()
         return group
 
@@ -297,8 +307,8 @@ class EngineClient:
             raise APIError(503, f"the engine did not answer within {timeout:.0f} s") from None
 
     def abort(self, request_ids: list[str], group: RequestGroup | None = None) -> None:
-        """Abort these requests; with `group`, only while they are its own (a client may reuse
-        the id of another client's request in flight: that one is refused, not this abort's)."""
+        """Abort the requests of these external ids; with `group`, only its own (another
+        client's request may carry the same id: it goes on)."""
         self._send(("abort", list(request_ids), group))
 
     def abort_all(self) -> None:
@@ -438,7 +448,7 @@ class EngineClient:
 
     def _do_add(self, cmd: _Add) -> None:
         group = cmd.group
-        rid = group.request_ids[cmd.index]
+        rid = cmd.engine_id
         lora = cmd.lora_request
         try:
             if self._dead is not None:  # /health says 503 too: restart the server
@@ -514,16 +524,21 @@ class EngineClient:
             log.exception("removing unloaded LoRA adapters failed")
 
     def _do_abort(self, request_ids: list[str], group: RequestGroup | None = None) -> None:
+        """`request_ids` are external: each names every engine request of it (in `group`)."""
+        ids = set(request_ids)
         with self._lock:
             streams = self._streams
-            live = [r for r in request_ids if r in streams and group in (None, streams[r].group)]
+            live = [
+                r
+                for r, s in streams.items()
+                if group in (None, s.group) and s.group.request_ids[s.index] in ids
+            ]
             for r in live:
                 del streams[r]
         if live:
             self._abort_in_engine(live)
             self.metrics.requests_aborted += len(live)
         if self._held_adds:  # held back by a "wait" pause: never added now
-            ids = set(request_ids)
             dropped = [
                 c
                 for c in self._held_adds
@@ -609,6 +624,12 @@ class EngineClient:
                     stream.group.queue.put((stream.index, err))
                     failed.append(rid)
         return failed
+
+
+def internal_request_id(request_id: str) -> str:
+    """The engine's id of a request the client named `request_id`: unique while in flight
+    (8 random hex digits: a collision needs 2**32 requests of one id at once)."""
+    return f"{request_id}-{uuid.uuid4().hex[:8]}"
 
 
 def _guess_param(message: str, fields: set[str]) -> str | None:

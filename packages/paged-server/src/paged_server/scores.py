@@ -31,7 +31,6 @@ token between them, a cross-encoder's pair prompt.
 
 from __future__ import annotations
 
-import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -292,7 +291,7 @@ def _loaded(app: OpenAIApp, req: ScoreRequest) -> dict[tuple[int, int], dict]:
 
 def serve_score(app: OpenAIApp, h: Handler) -> None:
     req = parse_score(h.read_json(), app.images is not None)
-    rid = f"score-{uuid.uuid4().hex}"
+    rid = f"score-{app.base_request_id(h)}"
     model, scored, num_tokens = _scores(app, h, req, rid)
     data = [{"index": i, "object": "score", "score": s.outputs.score} for i, s in enumerate(scored)]
     h.send_json(200, list_answer(rid, model, data, num_tokens, completion_tokens=0))
@@ -300,7 +299,7 @@ def serve_score(app: OpenAIApp, h: Handler) -> None:
 
 def serve_rerank(app: OpenAIApp, h: Handler) -> None:
     req = parse_rerank(h.read_json(), app.images is not None)
-    rid = f"rerank-{uuid.uuid4().hex}"
+    rid = f"rerank-{app.base_request_id(h)}"
     model, scored, num_tokens = _scores(app, h, req, rid)
     results = []
     for i, s in enumerate(scored):

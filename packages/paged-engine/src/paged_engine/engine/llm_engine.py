@@ -17,6 +17,7 @@ import dataclasses
 import json
 import logging
 import time
+import uuid
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from typing import Any
@@ -425,8 +426,10 @@ class LLMEngine:
         final_only: bool = False,
         lora_request: LoRARequest | None = None,
         priority: int = 0,
-    ) -> None:
-        """Queue a request; raises ValueError (naming the parameter) on bad input.
+    ) -> str:
+        """Queue a request; raises ValueError (naming the parameter) on bad input. Returns
+        the engine's id of it: `request_id`, or, while `request_id` is in use, that plus 8
+        random hex digits (as vLLM: the duplicate is served too; its outputs say `request_id`).
 
         What each output holds follows `params.output_kind` (CUMULATIVE by default, DELTA for
         streaming); `final_only=True` overrides it with FINAL_ONLY (offline generation).
@@ -435,8 +438,11 @@ class LLMEngine:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
         check_priority(priority, self.config.scheduling_policy)
+        external_req_id = None
         if request_id in self.output_processor.states:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+            # vLLM (InputProcessor.assign_request_id): served under an internal id of its own;
+            # its outputs carry the caller's id, and aborting that id aborts every such request
+            external_req_id, request_id = request_id, f"{request_id}-{uuid.uuid4().hex[:8]}"
         if self.serves != "both" and isinstance(params, PoolingParams) != (
             self.serves == "pooling"
         ):
@@ -487,7 +493,9 @@ class LLMEngine:
             kind=kind,
             lora_request=lora_request,
             encoder_prompt=p.encoder_prompt,
+            external_req_id=external_req_id,
         )
+        return request_id
 
     def _refuse(self, params: Any) -> None:
         """ValueError naming `params` for a request this engine does not serve."""
@@ -673,7 +681,10 @@ class LLMEngine:
         return set() if self.lora_registry is None else self.lora_registry.ids()
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
+        """Abort these requests: an id names the request added under it and every duplicate
+        added while it was in use (or one duplicate, by the id `add_request` returned)."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        ids += self.output_processor.duplicates_of(ids)
         self.output_processor.abort(ids)
         self.engine_core.abort_requests(ids)
         if self.lora_registry is not None:  # adapters only they held go back to max_cpu_loras

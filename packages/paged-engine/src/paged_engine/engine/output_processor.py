@@ -101,6 +101,9 @@ class RequestState:
     lora_request: Any = None  # echoed on its RequestOutputs
     # a text encoder-decoder's (encoder prompt text, its ids) for its RequestOutputs, else None
     encoder_prompt: tuple[str | None, list[int]] | None = None
+    # the caller's id when `request_id` is an internal one (a duplicate's: LLMEngine.add_request);
+    # its outputs carry it
+    external_req_id: str | None = None
     # A stop string ended one of its sequences here. The core learns of it only when the
     # caller runs `finish_seqs`, which may come after the core ended the last other sequence
     # (a step in flight, or the server's output thread): the core then finishes the request
@@ -162,6 +165,7 @@ class OutputProcessor:
         lora_request: Any = None,
         beam_logprobs: int | None = None,
         encoder_prompt: tuple[str | None, list[int]] | None = None,
+        external_req_id: str | None = None,
     ) -> None:
         beam = isinstance(params, BeamSearchParams)
         num_samples = params.beam_width if beam else params.num_sequences
@@ -189,6 +193,7 @@ class OutputProcessor:
             single=not beam and num_samples == 1 and not isinstance(params, PoolingSamplingParams),
             lora_request=lora_request,
             encoder_prompt=encoder_prompt,
+            external_req_id=external_req_id,
             interval=1 if beam else max(self.stream_interval, params.stream_interval or 1),
         )
         detok = None
@@ -204,6 +209,11 @@ class OutputProcessor:
         if isinstance(params, PoolingSamplingParams):
             state.pooled = PooledChunks()
         self.states[request_id] = state
+
+    def duplicates_of(self, request_ids: list[str]) -> list[str]:
+        """The internal ids of the requests in flight added under one of these ids."""
+        wanted = set(request_ids)
+        return [s.request_id for s in self.states.values() if s.external_req_id in wanted]
 
     def abort(self, request_ids: list[str]) -> None:
         for rid in request_ids:
@@ -396,7 +406,7 @@ class OutputProcessor:
                 tensor = tensor.reshape(0, row_width(state.pooled, params))
             data = PoolingOutput(tensor)
             return PoolingRequestOutput(
-                state.request_id,
+                state.external_req_id or state.request_id,
                 data,
                 state.prompt_token_ids,
                 True,
@@ -441,7 +451,7 @@ class OutputProcessor:
             now if finished else None,
         )
         out = RequestOutput(
-            state.request_id,
+            state.external_req_id or state.request_id,
             state.prompt,
             state.prompt_token_ids,
             state.prompt_logprobs,

@@ -330,6 +330,10 @@ def load_model(
     if load_format == "dummy":
         init_dummy_weights(model, seed)
     else:
+        from paged_engine.tied_weights import untie_differing_head
+
+        # a config tying a head the checkpoint holds with other values: untied, as HF does
+        untie_differing_head(model, resolved, hf_config, load_format, dtype)
         # An fp8 KV cache's scales, when the checkpoint has them (worker/kv_scales.py).
         kv_scales: dict[int, dict[str, float]] = {}
         load = CodesLoad(model) if codes else None

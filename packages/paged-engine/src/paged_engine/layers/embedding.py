@@ -80,6 +80,14 @@ class ParallelLMHead(VocabParallelEmbedding):
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
 
+    def untie(self) -> None:
+        """A weight of its own again (uninitialized; the shared one's width, dtype and device),
+        loaded by this head's `weight_loader`."""
+        shared = self.weight
+        shape = (self.shard_size, shared.shape[1])
+        self.weight = nn.Parameter(torch.empty(shape, dtype=shared.dtype, device=shared.device))
+        self.weight.weight_loader = self.weight_loader
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, D] -> [N, V] float32
         # Every TP rank ends with the same full logits (the gathered bits), so every rank
         # samples the same tokens from them.

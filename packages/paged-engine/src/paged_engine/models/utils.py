@@ -15,6 +15,7 @@ from paged_engine.layers.attention import AttentionMetadata
 from paged_engine.layers.embedding import ParallelLMHead
 from paged_engine.layers.rotary import get_rope
 from paged_engine.quantized_checkpoint import DEQUANTIZED, check_checkpoint_quantization
+from paged_engine.tied_weights import TiedHeadStream
 
 # (fragment of our param name, fragment of the HF name, shard id for the param's weight_loader)
 StackedRule = tuple[str, str, str | int | tuple[int, int]]
@@ -326,8 +327,13 @@ class CausalLMBase(nn.Module):
     ) -> set[str]:
         """Load HF-named tensors; returns our parameter names loaded. `strict=False` takes a
         subset (a weight update: the rest keep their values)."""
-        # A tied head has no parameter of its own; checkpoints may still carry a copy.
+        # A tied head has no parameter of its own: a checkpoint's copy is dropped, or, in a
+        # whole checkpoint without the embedding, loads as the embedding (tied_weights.py)
         tied_head = f"{self.head_name}.weight" if self.tie_word_embeddings else None
+        rename = self.rename_weight
+        if tied_head is not None and strict:
+            tied = TiedHeadStream(rename, tied_head, f"{self.embed_path}.weight")
+            weights, rename = tied.weights(weights), tied.rename
         ignored = self.ignored_weights
         state = get_parallel_state()
         start, end = stage_layers(self.num_decoder_layers(), state.pp_rank, state.pp_size)
@@ -342,7 +348,7 @@ class CausalLMBase(nn.Module):
             self,
             weights,
             stacked=self.stacked_params,
-            rename=self.rename_weight,
+            rename=rename,
             convert=self.convert_weight,
             skip=skip,
             strict=strict,

@@ -47,7 +47,7 @@ each is exact).
     Inkling2ForConditionalGeneration     inkling2_text          -> Inkling2ForCausalLM
     Inkling2LoopForConditionalGeneration  inkling2_loop_text    -> Inkling2LoopForCausalLM
     InternVLForConditionalGeneration     qwen2 / qwen3 / llama  -> Qwen2 / Qwen3 / Llama
-                                         qwen3_moe              -> Qwen3MoeForCausalLM
+                                         qwen3_moe / gpt_oss    -> Qwen3Moe / GptOss
     InternS1ForConditionalGeneration     qwen3_moe / qwen3      -> Qwen3Moe / Qwen3ForCausalLM
     QianfanOCRForConditionalGeneration   qwen3 / qwen2          -> Qwen3 / Qwen2ForCausalLM
     InternVLChatModel (llm_config)       qwen2 / qwen3 / llama  -> Qwen2 / Qwen3 / Llama
@@ -80,7 +80,8 @@ each is exact).
     Lfm3VlForConditionalGeneration       lfm3                   -> Lfm3ForCausalLM
     Llama4ForConditionalGeneration       llama4_text            -> Llama4ForCausalLM
     LlavaForConditionalGeneration,       llama / mistral / qwen2 -> Llama / Mistral / Qwen2
-      LlavaNextForConditionalGeneration,
+      LlavaNextForConditionalGeneration, qwen3 / gemma / phi3   -> Qwen3 / Gemma / Phi3
+                                         granite                -> GraniteForCausalLM
       LlavaOnevisionForConditionalGeneration,
       VipLlavaForConditionalGeneration,
       LlavaNextVideoForConditionalGeneration,
@@ -229,10 +230,19 @@ _QWEN3_OMNI_TEXT = {"qwen3_omni_moe_text": "Qwen3MoeForCausalLM"}
 # the same config, keeps only the window: a set window has no one meaning (the Hub's is null)
 _QWEN3_OMNI_REFUSED = ("sliding_window",)
 
+# transformers' LLaVA wrappers build any text model; these are the released backbones
+# (Intel/llava-gemma-*: Gemma, xtuner/llava-phi-3-mini-hf: Phi-3, VARCO-VISION-2.0
+# (OneVision): Qwen3, granite-vision-3.x (NeXT): Granite, whose logits_scaling we keep as
+# vLLM does and transformers 4 did; transformers 5's wrapper head drops it, which moves
+# logprobs, not greedy tokens)
 _LLAVA_TEXT = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma": "GemmaForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "granite": "GraniteForCausalLM",
 }
 
 
@@ -458,6 +468,7 @@ WRAPPERS: dict[str, Wrapper] = {
             "qwen3": "Qwen3ForCausalLM",
             "qwen3_moe": "Qwen3MoeForCausalLM",
             "llama": "LlamaForCausalLM",
+            "gpt_oss": "GptOssForCausalLM",  # InternVL3.5-GPT-OSS-20B-A4B-Preview-HF
         },
         _LLAVA_STYLE,
     ),

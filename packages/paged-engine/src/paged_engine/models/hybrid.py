@@ -12,6 +12,10 @@ Falcon-H1 (models/falcon_h1.py), Kimi Linear (models/kimi_linear.py), Jamba
 (models/jamba.py) and Zamba2 (models/zamba2.py; its "hybrid" layers run a shared transformer
 block before their mixer). Pure state-space models (every layer a mixer, no KV: Mamba,
 Mamba2) have a stack of their own (models/mamba.py) but the same layer types.
+
+Pipeline parallelism (`PIPELINE_MODEL_TYPES`): a stage builds its decoder layers only
+(make_layers), so its state pools hold only its linear layers' state (the pools are the built
+layers' own), and its `kv_caches` only its attention layers' (`stage_kv_range`), in order.
 """
 
 from __future__ import annotations
@@ -67,6 +71,19 @@ def num_kv_layers(config) -> int:
     return sum(map(has_kv, layer_types(config)))
 
 
+# Model types served at pipeline_parallel_size > 1: stacks of HybridModel's own forward whose
+# stages give the single-process engine's tokens (tests/distributed/test_hybrid_pp.py); other
+# hybrids are refused by name (worker/recurrent_state.py: hybrid_engine_config).
+PIPELINE_MODEL_TYPES = frozenset({"jamba", "granitemoehybrid", "nemotron_h", "qwen3_next", "bamba"})
+
+
+def stage_kv_range(config, start: int, end: int) -> tuple[int, int]:
+    """The entries [a, b) of the model's per-KV-layer list that decoder layers [start, end)
+    cache: the KV layers before `start`, and before `end`."""
+    kv = [has_kv(t) for t in layer_types(config)]
+    return sum(kv[:start]), sum(kv[:end])
+
+
 class HybridModel(nn.Module):
     """Embedding (times `embedding_multiplier`), the layers (`build_layer(i)`, each called
     with `(positions, x, kv_cache or None, md)`), the final norm."""
@@ -98,9 +115,13 @@ class HybridModel(nn.Module):
             self.kv_index.append(n if has_kv(t) else -1)
 
     def forward(self, input_ids, positions, kv_caches, md, hidden=None) -> torch.Tensor:
+        """This stage's layers over x; `kv_caches` holds this stage's KV layers' caches only
+        (its first is KV layer `first` of the model). The final norm on the last stage."""
         x = stage_input(self, input_ids, hidden)
         if self.rotary_emb is not None:
             self.rotary_emb.begin_forward(positions)
-        for layer, i in zip(self.layers, self.kv_index, strict=True):
-            x = layer(positions, x, kv_caches[i] if i >= 0 else None, md)
-        return self.norm(x)
+        first = sum(i >= 0 for i in self.kv_index[: self.stage.start])
+        for i in range(self.stage.start, self.stage.end):
+            k = self.kv_index[i]
+            x = self.layers[i](positions, x, kv_caches[k - first] if k >= 0 else None, md)
+        return self.norm(x) if self.stage.is_last else x

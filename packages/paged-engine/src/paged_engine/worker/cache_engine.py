@@ -13,7 +13,7 @@ from paged_engine.distributed.parallel_state import (
     stage_layers,
 )
 from paged_engine.models import kv_cache_layout
-from paged_engine.models.hybrid import is_hybrid, num_kv_layers
+from paged_engine.models.hybrid import is_hybrid, num_kv_layers, stage_kv_range
 from paged_engine.worker import host_memory
 
 _FP8 = {
@@ -85,9 +85,12 @@ def kv_layers(hf_config) -> list[tuple[int, int]]:
 def _stage_slice(hf_config, count: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
     """The entries of stage `pp_rank` in a per-layer cache list of `count` entries: the stage's
     decoder layers (`stage_layers`) times the entries a layer (one; LongCat-Flash's two, layer
-    by layer), so a stage caches exactly the layers it built. A model whose list is not a whole
-    multiple of its layers (a hybrid's attention layers only) refuses pipeline stages itself."""
+    by layer), so a stage caches exactly the layers it built; a hybrid's list (its attention
+    layers only) the KV layers among the stage's (`stage_kv_range`). Another model whose list is
+    not a whole multiple of its layers refuses pipeline stages itself."""
     layers = decoder_layer_count(hf_config)
+    if layers and is_hybrid(hf_config) and count == num_kv_layers(hf_config):
+        return stage_kv_range(hf_config, *stage_layers(layers, pp_rank, pp_size))
     if not layers or count % layers:
         return stage_layers(count, pp_rank, pp_size)
     per_layer = count // layers

@@ -19,7 +19,9 @@ after the seats (core/state_slots.py has the row layout and the rules); a copy o
 into a seat resumes a prefix-cache hit there.
 
 What the engine gives up for it (`hybrid_engine_config`): swap preemption and the CPU offload
-tier (the state is not in blocks), pipeline parallelism and batch-invariant mode. Speculative
+tier (the state is not in blocks) and batch-invariant mode; pipeline parallelism is served for
+the verified families (models/hybrid.py: PIPELINE_MODEL_TYPES), each stage holding the state of
+its own layers only, when every stage holds an attention layer. Speculative
 decoding takes a backup row per seat: a verify step backs its rows up, a rejected draft restores
 the row, and the engine core rolls the sequence back so that its accepted tokens run again
 (`Sequence.replay_end`). LoRA adapters have nothing to
@@ -35,7 +37,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from paged_engine.models.hybrid import is_hybrid
+from paged_engine.distributed.parallel_state import stage_sizes
+from paged_engine.models.hybrid import (
+    PIPELINE_MODEL_TYPES,
+    is_hybrid,
+    layer_types,
+    num_kv_layers,
+    stage_kv_range,
+)
 
 __all__ = [
     "RecurrentStatePool",
@@ -60,8 +69,9 @@ def hybrid_engine_config(config, hf_config) -> None:
     if not is_hybrid(hf_config):
         return
     arch = ", ".join(getattr(hf_config, "architectures", None) or ["this model"])
+    if config.pipeline_parallel_size > 1:
+        _check_pipeline(config.pipeline_parallel_size, hf_config, arch)
     unsupported = {
-        "pipeline_parallel_size > 1": config.pipeline_parallel_size > 1,
         "batch_invariant=True": bool(config.batch_invariant),
         "cpu_offload_gib > 0": bool(config.cpu_offload_gib),
         "preemption_mode='swap'": config.preemption_mode == "swap",
@@ -84,11 +94,43 @@ def hybrid_engine_config(config, hf_config) -> None:
     config.preemption_mode = "recompute"
 
 
+def _check_pipeline(pp_size: int, hf_config, arch: str) -> None:
+    """Refuse pipeline stages for a hybrid outside PIPELINE_MODEL_TYPES, or a split that leaves
+    a stage without an attention layer (its blocks would hold nothing, and the KV cache is
+    sized in blocks every stage holds)."""
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in PIPELINE_MODEL_TYPES or num_kv_layers(hf_config) == 0:
+        raise ValueError(
+            f"pipeline_parallel_size > 1 is not supported for {arch} (model_type "
+            f"{model_type!r}): of the models with a recurrent state, pipeline stages serve "
+            f"{', '.join(sorted(PIPELINE_MODEL_TYPES))}"
+        )
+    start = 0
+    for rank, size in enumerate(stage_sizes(len(layer_types(hf_config)), pp_size)):
+        first, end = stage_kv_range(hf_config, start, start + size)
+        if first == end:
+            raise ValueError(
+                f"pipeline_parallel_size={pp_size}: stage {rank} holds decoder layers "
+                f"[{start}, {start + size}) of {arch}, none with attention (a stage of a "
+                "hybrid model must cache KV for some layer; move one there with "
+                "VLLM_PP_LAYER_PARTITION)"
+            )
+        start += size
+
+
 def states_depend_on_prompt(model: nn.Module) -> bool:
     """Whether some layer updates its state differently for prompt tokens than for generated
     ones (`state_depends_on_prompt`: Mamba2's dt limit), so that a snapshot after generated
-    tokens would not stand for a prompt of the same tokens."""
-    return any(getattr(m, "state_depends_on_prompt", False) for m in model.modules())
+    tokens would not stand for a prompt of the same tokens. A pipeline stage that holds no
+    state layer cannot tell (another stage's mixers decide): True, the answer that is always
+    safe (snapshots of prompt tokens only); a stage with state layers answers for all (a
+    model's mixers are of one kind, one config)."""
+    from paged_engine.models.utils import PPMissingLayer
+
+    modules = list(model.modules())
+    if not state_layers(model) and any(isinstance(m, PPMissingLayer) for m in modules):
+        return True
+    return any(getattr(m, "state_depends_on_prompt", False) for m in modules)
 
 
 # Unless told how many, state snapshots take at most this share of the KV cache's memory.

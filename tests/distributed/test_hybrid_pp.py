@@ -1,0 +1,187 @@
+"""Pipeline parallelism for hybrid models (2 gloo stages on the CPU): each stage builds its own
+decoder layers and holds KV caches for its attention layers and recurrent state for its linear
+layers only, and greedy tokens and logprobs equal the single-process engine's: Jamba through
+prefill chunks over several steps, preemption by recompute and prefix-cache state snapshots;
+Granite 4.0-H, Nemotron-H, Qwen3-Next and Bamba on plain requests. Hybrids not verified, and a
+split that leaves a stage without an attention layer, are refused by name before any rank
+starts."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from test_world_sizes import _assert_same, _built_layers
+from torch import nn
+
+from paged_engine import LLM, SamplingParams
+from paged_engine.distributed import parallel_state
+from paged_engine.distributed.parallel_state import ParallelState
+from paged_engine.engine import llm_engine
+from paged_engine.models.utils import PPMissingLayer
+from paged_engine.testing import tiny_config, write_tiny_model
+from paged_engine.worker.cache_engine import kv_layers
+from paged_engine.worker.recurrent_state import state_layers, states_depend_on_prompt
+
+pytest.importorskip("transformers")
+
+# Each tiny config puts an attention layer in each half of its stack, so both stages cache KV.
+FAMILIES = {
+    # attention at 1 and 3, Mamba (v1) at 0 and 2, a MoE feed-forward at 1 and 3
+    "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1},
+    "granitemoehybrid": {"layer_types": ["mamba", "attention", "mamba", "attention"]},
+    "nemotron_h": {
+        "num_hidden_layers": 4,
+        "layers_block_type": ["mamba", "attention", "mlp", "attention"],
+    },
+    "qwen3_next": {
+        "layer_types": [
+            "linear_attention",
+            "full_attention",
+            "linear_attention",
+            "full_attention",
+        ]
+    },
+    "bamba": {"attn_layer_indices": [1, 3]},
+}
+
+
+def _stage_kv_layers(monkeypatch, hf_config, pp_size: int) -> list[int]:
+    """How many KV cache entries each stage's rank allocates (TP 1)."""
+    counts = []
+    for rank in range(pp_size):
+        state = ParallelState(rank, pp_size, 1, pp_size, None, None, None)
+        monkeypatch.setattr(parallel_state, "_state", state)
+        counts.append(len(kv_layers(hf_config)))
+    monkeypatch.setattr(parallel_state, "_state", parallel_state._SINGLE)
+    return counts
+
+
+def test_a_stage_caches_kv_for_its_attention_layers_only(monkeypatch):
+    types = ["attention", "mamba", "attention", "attention"]
+    granite = tiny_config("granitemoehybrid", layer_types=types)
+    assert _stage_kv_layers(monkeypatch, granite, 2) == [1, 2]  # layers [0, 2) and [2, 4)
+    monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "3,1")
+    assert _stage_kv_layers(monkeypatch, granite, 2) == [2, 1]
+    monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "1,3")
+    assert _stage_kv_layers(monkeypatch, granite, 2) == [1, 2]
+
+
+class _Mixer(nn.Module):
+    def __init__(self, depends: bool) -> None:
+        super().__init__()
+        self.state_depends_on_prompt = depends
+
+    def allocate_state(self, *args) -> None:
+        pass
+
+
+def test_a_stage_without_state_layers_snapshots_prompts_only():
+    # another stage's mixers decide: prompt-only snapshots are right whatever they are
+    assert states_depend_on_prompt(nn.ModuleList([nn.Linear(2, 2), PPMissingLayer()]))
+    assert not states_depend_on_prompt(nn.ModuleList([_Mixer(False), PPMissingLayer()]))
+    assert states_depend_on_prompt(nn.ModuleList([_Mixer(True), PPMissingLayer()]))
+    assert not states_depend_on_prompt(nn.ModuleList([nn.Linear(2, 2)]))  # one process
+
+
+def _stage_counts(worker) -> tuple[int, int]:
+    """(KV cache entries, layers holding recurrent state) of this rank."""
+    runner = worker.model_runner
+    return len(runner.cache.kv_caches), len(state_layers(runner.model))
+
+
+def _summary(outs) -> list[tuple[list[int], list[float]]]:
+    got = []
+    for o in outs:
+        for c in o.outputs:
+            lps = [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]
+            got.append((list(c.token_ids), lps))
+    return got
+
+
+def _run(path, prompts, waves: int = 1, **kwargs):
+    """(outputs, the scheduler, each rank's built layers and (KV, state) counts)."""
+    llm = LLM(model=str(path), dtype="float32", max_model_len=128, **kwargs)
+    try:
+        sp = SamplingParams(temperature=0, max_tokens=12, logprobs=1, ignore_eos=True)
+        reqs = [{"prompt_token_ids": p} for p in prompts]
+        step = -(-len(reqs) // waves)
+        outs = []
+        for lo in range(0, len(reqs), step):  # later waves hit earlier requests' snapshots
+            outs += llm.generate(reqs[lo : lo + step], sp, use_tqdm=False)
+        ranks = llm.collective_rpc(_built_layers), llm.collective_rpc(_stage_counts)
+        return _summary(outs), llm.llm_engine.scheduler, ranks
+    finally:
+        llm.llm_engine.shutdown()
+
+
+@pytest.mark.slow
+def test_jamba_pp2_with_chunks_preemption_and_snapshots_matches_one_process(tmp_path):
+    path = write_tiny_model(tmp_path, "jamba", seed=3, **FAMILIES["jamba"])
+    rng = random.Random(0)
+    system = [rng.randrange(3, 200) for _ in range(36)]
+    prompts = [
+        system + [rng.randrange(3, 200) for _ in range(rng.randint(1, 30))] for _ in range(8)
+    ]
+    # 12 blocks of 16 for ~600 tokens of work: recompute preemptions; 32 tokens a step: prompts
+    # run in chunks over several steps; 8 snapshot rows: later requests resume the system prompt
+    engine = {
+        "block_size": 16,
+        "num_gpu_blocks_override": 12,
+        "max_num_batched_tokens": 32,
+        "max_num_seqs": 6,
+        "prefix_state_snapshots": 8,
+    }
+    want, one, _ = _run(path, prompts, waves=2, **engine)
+    got, sched, (built, counts) = _run(path, prompts, waves=2, pipeline_parallel_size=2, **engine)
+    _assert_same(got, want)
+    assert sched.num_preemptions > 0 and sched.state_slots.snapshot_hits > 0
+    assert built == [[0, 1], [2, 3]]
+    assert counts == [(1, 1), (1, 1)]  # each stage: its attention layer's KV, its Mamba's state
+    assert one.num_preemptions > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["granitemoehybrid", "nemotron_h", "qwen3_next", "bamba"])
+def test_hybrid_family_pp2_matches_one_process(tmp_path, family):
+    path = write_tiny_model(tmp_path, family, seed=3, **FAMILIES[family])
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 200) for _ in range(rng.randint(3, 40))] for _ in range(3)]
+    want, _, _ = _run(path, prompts)
+    got, _, (built, counts) = _run(path, prompts, pipeline_parallel_size=2)
+    _assert_same(got, want)
+    assert built == [[0, 1], [2, 3]]
+    # nemotron_h's layer 2 is an MLP: no state there
+    assert counts == [(1, 1), (1, 0 if family == "nemotron_h" else 1)]
+
+
+def _no_ranks(*args, **kwargs):
+    raise AssertionError("the engine started its ranks")
+
+
+@pytest.mark.parametrize(
+    ("arch", "overrides", "message"),
+    [
+        (
+            "falcon_h1",
+            {},
+            r"pipeline_parallel_size > 1 is not supported for FalconH1ForCausalLM \(model_type "
+            r"'falcon_h1'\): of the models with a recurrent state, pipeline stages serve bamba, ",
+        ),
+        ("mamba", {}, r"not supported for MambaForCausalLM \(model_type 'mamba'\)"),
+        # the tiny Jamba's one attention layer (1 of 4): the second stage would cache nothing
+        (
+            "jamba",
+            {},
+            r"pipeline_parallel_size=2: stage 1 holds decoder layers \[2, 4\) of "
+            r"JambaForCausalLM, none with attention",
+        ),
+    ],
+)
+def test_unverified_hybrids_and_stages_without_attention_are_refused(
+    tmp_path, monkeypatch, arch, overrides, message
+):
+    path = write_tiny_model(tmp_path, arch, seed=3, **overrides)
+    monkeypatch.setattr(llm_engine, "MultiprocExecutor", _no_ranks)
+    with pytest.raises(ValueError, match=message):
+        LLM(model=str(path), dtype="float32", max_model_len=128, pipeline_parallel_size=2)

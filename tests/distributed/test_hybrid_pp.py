@@ -185,3 +185,40 @@ def test_unverified_hybrids_and_stages_without_attention_are_refused(
     monkeypatch.setattr(llm_engine, "MultiprocExecutor", _no_ranks)
     with pytest.raises(ValueError, match=message):
         LLM(model=str(path), dtype="float32", max_model_len=128, pipeline_parallel_size=2)
+
+
+def _snapshot_costs(worker) -> tuple[int, int]:
+    return worker.snapshot_costs()
+
+
+@pytest.mark.slow
+def test_state_snapshots_are_sized_by_the_stage_they_cost_most(tmp_path, monkeypatch):
+    """Stage 0 holds two attention layers and one Mamba layer, stage 1 one and two: a snapshot
+    takes 4x more of a freed block's memory there, so the KV blocks given up for snapshots are
+    counted with stage 1's sizes (rank 0's would leave stage 1 short of its budget)."""
+    types = ["attention", "attention", "mamba", "attention", "mamba", "mamba"]
+    path = write_tiny_model(
+        tmp_path, "granitemoehybrid", seed=0, num_hidden_layers=6, layer_types=types
+    )
+    seen = []
+    real_fit = llm_engine.fit_state_snapshots
+
+    def fit(config, num_blocks, block_bytes, row_bytes):
+        seen.append((block_bytes, row_bytes))
+        return real_fit(config, num_blocks, block_bytes, row_bytes)
+
+    monkeypatch.setattr(llm_engine, "fit_state_snapshots", fit)
+    llm = LLM(
+        model=str(path),
+        dtype="float32",
+        max_model_len=128,
+        pipeline_parallel_size=2,
+        enable_prefix_caching=True,
+    )
+    try:
+        costs = llm.collective_rpc(_snapshot_costs)
+    finally:
+        llm.llm_engine.shutdown()
+    (block0, row0), (block1, row1) = costs
+    assert row1 * block0 == 4 * row0 * block1  # the stages differ as built
+    assert seen == [(block1, row1)]

@@ -97,7 +97,7 @@ from paged_engine.spec_decode.draft_loader import resolve_speculative_config
 from paged_engine.spec_decode.planner import DraftPlanner
 from paged_engine.structured_output.manager import StructuredOutputManager
 from paged_engine.unicode_text import check_text
-from paged_engine.worker.cache_engine import CacheEngine, num_cpu_blocks
+from paged_engine.worker.cache_engine import num_cpu_blocks
 from paged_engine.worker.cross_attention import encoder_decoder_engine_config, is_encoder_decoder
 from paged_engine.worker.recurrent_state import (
     fit_state_snapshots,
@@ -277,10 +277,11 @@ class LLMEngine:
         states = worker.model_runner.states
         block_bytes = None
         if states is not None:  # the prefix cache's state snapshots share the KV cache's memory
-            block_bytes = CacheEngine.bytes_per_block(
-                self.hf_config, config.block_size, worker.model_runner.kv_cache_dtype
-            )
-            num_blocks = fit_state_snapshots(config, num_blocks, block_bytes, states.nbytes_per_row)
+            block_bytes, row_bytes = worker.snapshot_costs()
+            if config.pipeline_parallel_size > 1:  # sized by the stage a snapshot costs most
+                costs = self.executor.collective_rpc("snapshot_costs")
+                block_bytes, row_bytes = max(costs, key=lambda c: c[1] / max(c[0], 1))
+            num_blocks = fit_state_snapshots(config, num_blocks, block_bytes, row_bytes)
         usable = num_blocks - 1  # block 0 is the null block
         if usable * config.block_size < config.max_model_len:
             seats = (

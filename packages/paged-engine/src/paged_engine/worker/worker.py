@@ -281,6 +281,16 @@ class Worker:
             )
         return num_blocks
 
+    def snapshot_costs(self) -> tuple[int, int]:
+        """(KV bytes of one block, recurrent-state bytes of one row) on this rank: what a
+        block frees against what a prefix-cache state snapshot takes (pipeline stages hold
+        different layers, so their ratios differ)."""
+        runner = self.model_runner
+        block = CacheEngine.bytes_per_block(
+            self.hf_config, self.config.block_size, runner.kv_cache_dtype
+        )
+        return block, (0 if runner.states is None else runner.states.nbytes_per_row)
+
     def initialize_cache(self, num_blocks: int, num_state_snapshots: int = 0) -> None:
         self.model_runner.init_kv_cache(num_blocks, num_state_snapshots)
 

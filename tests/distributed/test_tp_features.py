@@ -3,9 +3,10 @@ engine's outputs: identical tokens (greedy and seeded), logprobs within 1e-4. Th
 KV head and a 509-token vocabulary, so the LM head's last shard is padded: every feature that
 indexes the vocabulary (whole-vocab and chosen-id logprobs, penalties, logit_bias on ids of the
 last shard, bad_words, allowed_token_ids, JSON-schema masks) runs on gathered logits whose
-padding must be cut. Also: suffix speculation with those features, adapters loaded and removed
-mid-run, an fp8 KV cache with an abort mid-run, pooling over chunked prompts, sleep / wake_up
-across stages and with steps in flight, and what pipeline parallelism refuses by name.
+padding must be cut. Also: suffix and n-gram speculation with those features (suffix under PP=2
+too), adapters loaded and removed mid-run, an fp8 KV cache with an abort mid-run, pooling over
+chunked prompts, sleep / wake_up across stages and with steps in flight, and what pipeline
+parallelism refuses by name.
 (test_parallel_parity.py covers n > 1, beams, prompt logprobs, prefix caching and preemption;
 test_lora_tp.py several adapters in one batch; tests/engine/*: ngram and draft-model
 speculation, sleep, collective_rpc and reset_prefix_cache under TP.)"""
@@ -166,8 +167,10 @@ def reference(model):
         (2, 1, {}),
         (1, 2, {"enable_sleep_mode": True}),
         (2, 1, {"speculative_config": {"method": "suffix", "num_speculative_tokens": 3}}),
+        (2, 1, {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}),
+        (1, 2, {"speculative_config": {"method": "suffix", "num_speculative_tokens": 3}}),
     ],
-    ids=["tp2", "pp2-sleep", "tp2-suffix"],
+    ids=["tp2", "pp2-sleep", "tp2-suffix", "tp2-ngram", "pp2-suffix"],
 )
 def test_vocab_indexing_features_match_one_process(model, reference, tp, pp, extra):
     requests, want = reference
@@ -317,12 +320,13 @@ def test_pooling_over_chunked_prompts_matches_one_process(model):
 
 
 def test_pipeline_parallelism_refuses_speculation_by_name(model):
-    # (LoRA adapters run under pipeline stages: test_lora_pp.py)
-    with pytest.raises(ValueError, match=r"speculative_config .* pipeline_parallel_size > 1"):
+    # (LoRA adapters run under pipeline stages: test_lora_pp.py; n-gram and suffix
+    # speculation too: test_spec_pp.py)
+    with pytest.raises(ValueError, match=r"speculative_config .*'mtp'.* pipeline_parallel"):
         LLM(
             str(model),
             pipeline_parallel_size=2,
-            speculative_config={"method": "suffix", "num_speculative_tokens": 3},
+            speculative_config={"method": "mtp", "num_speculative_tokens": 1},
         )
 
 

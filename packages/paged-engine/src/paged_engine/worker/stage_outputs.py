@@ -2,7 +2,8 @@
 
 The last stage samples and sends each step's `ModelRunnerOutput` to its first-stage peer (the
 same TP rank), which writes the sampled ids into `InputBatch.last_token` (the next input of
-those sequences) and, on rank 0, hands the output to the engine core. With micro-batching the
+those sequences: a drafted row's last emitted token, the one after its accepted drafts) and, on
+rank 0, hands the output to the engine core. With micro-batching the
 first stage does not wait for it: it runs step N+1 while the later stages run step N, and
 receives step N's result when it is asked for (`PendingStageOutput.get`, the engine core's
 FIFO), or, on a rank the core does not read, before a step that needs it:
@@ -33,14 +34,22 @@ if TYPE_CHECKING:
 class PendingStageOutput:
     """One step's handle on the first stage; `get()` receives it (and every older one)."""
 
-    __slots__ = ("_owner", "flat", "next_ids", "result", "seq_ids")
+    __slots__ = ("_owner", "drafted", "flat", "next_ids", "result", "seq_ids")
 
     def __init__(
-        self, owner: StageOutputs, seq_ids: frozenset[int], next_ids: list[int], flat: list[int]
+        self,
+        owner: StageOutputs,
+        seq_ids: frozenset[int],
+        next_ids: list[int],
+        flat: list[int],
+        drafted: frozenset[int] = frozenset(),
     ) -> None:
         self._owner = owner
         self.seq_ids = seq_ids  # every sequence the step ran
         self.next_ids = next_ids  # sequences whose next input is the sample at flat[i]
+        # sequences whose row carried drafts: they emit 1 + accepted tokens, known only at
+        # receive time (flat is then unused)
+        self.drafted = drafted
         self.flat = flat
         self.result: ModelRunnerOutput | None = None
 
@@ -63,13 +72,18 @@ class StageOutputs:
         self.pending: deque[PendingStageOutput] = deque()
 
     def submit(
-        self, seq_ids: list[int], sampled_seq_ids: list[int], sample_no: np.ndarray
+        self,
+        seq_ids: list[int],
+        sampled_seq_ids: list[int],
+        sample_no: np.ndarray,
+        drafted: frozenset[int] = frozenset(),
     ) -> PendingStageOutput:
         """A step whose hidden states went to the next stage. `sampled_seq_ids` / `sample_no`:
-        one entry per sampled token (`SamplingInputs.plan`); a fan-out keeps its first sample."""
+        one entry per sample (`SamplingInputs.plan`); a fan-out keeps its first sample.
+        `drafted`: the sequences whose rows carry drafts (never a fan-out's)."""
         flat = np.flatnonzero(sample_no == 0).tolist()
         next_ids = [sampled_seq_ids[k] for k in flat]
-        handle = PendingStageOutput(self, frozenset(seq_ids), next_ids, flat)
+        handle = PendingStageOutput(self, frozenset(seq_ids), next_ids, flat, drafted)
         self.pending.append(handle)
         return handle
 
@@ -103,8 +117,16 @@ class StageOutputs:
         result: ModelRunnerOutput = recv_object(self.src_rank)
         h.result = result
         seqs, tokens = self.batch.seqs, result.sampled_token_ids
+        flat = h.flat
+        if h.drafted:  # the output lists each entry's emitted tokens in turn
+            first: dict[int, int] = {}
+            last: dict[int, int] = {}
+            for i, s in enumerate(result.sampled_seq_ids):
+                first.setdefault(s, i)
+                last[s] = i
+            flat = [last[s] if s in h.drafted else first[s] for s in h.next_ids]
         rows, ids = [], []
-        for seq_id, k in zip(h.next_ids, h.flat):
+        for seq_id, k in zip(h.next_ids, flat):
             c = seqs.get(seq_id)
             if c is not None:  # else finished or dropped since the step ran
                 rows.append(c.row)

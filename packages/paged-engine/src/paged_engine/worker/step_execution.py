@@ -223,7 +223,8 @@ class StepExecution:
             return AsyncRunnerOutput(sched.step_id, [], None, None, [], None, [])
         assert self.stage_outputs is not None
         _, sample_no, sampled_ids, _ = self.sampling.plan(sched, cached)
-        return self.stage_outputs.submit(sched.seq_ids, sampled_ids, sample_no)
+        drafted = frozenset(s for s, d in sched.spec_token_ids.items() if d)
+        return self.stage_outputs.submit(sched.seq_ids, sampled_ids, sample_no, drafted)
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """Hidden states [T, D]; a view of a graph's static output when a graph ran (valid until

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
+import threading
 
 import pytest
 
@@ -48,6 +50,10 @@ async def _last(agen):
     async for out in agen:
         last = out
     return last
+
+
+async def _all(agen) -> list:
+    return [out async for out in agen]
 
 
 async def _unfinished(eng: AsyncLLM) -> bool:
@@ -147,16 +153,113 @@ def test_bad_requests_raise_to_their_caller_and_the_engine_serves_on(engine, wan
             await _last(engine.generate("x", {"max_tokens": 2}, "not-params"))
         with pytest.raises(ValueError, match="request_id"):
             await _last(engine.generate("x", SamplingParams(), ""))
-        slow = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
-        first = engine.generate("x", slow, "dup")
-        await first.__anext__()
-        with pytest.raises(ValueError, match="already in flight"):
-            await _last(engine.generate("y", slow, "dup"))
-        await first.aclose()
         greedy = SamplingParams(max_tokens=12, temperature=0)
         return await _last(engine.generate(PROMPTS[0], greedy, "after"))
 
     assert list(asyncio.run(main()).outputs[0].token_ids) == want[0][0]
+
+
+def test_duplicate_request_ids_are_each_served(engine, want) -> None:
+    """As vLLM's AsyncLLM: requests sharing an id in flight each get their own outputs, all
+    saying the caller's id (each engine request has an internal id of its own)."""
+
+    async def main():
+        greedy = SamplingParams(max_tokens=12, temperature=0)
+        gens = [engine.generate(PROMPTS[i], greedy, "dup") for i in (0, 1)]
+        outs = await asyncio.gather(*(_all(g) for g in gens))
+        embed = PoolingParams(task="embed")
+        pooled = await asyncio.gather(*(_all(engine.encode(p, embed, "pdup")) for p in PROMPTS[:2]))
+        alone = [await _last(engine.encode(p, embed, f"one{i}")) for i, p in enumerate(PROMPTS[:2])]
+        return outs, pooled, alone
+
+    outs, pooled, alone = asyncio.run(main())
+    for i, seq in enumerate(outs):
+        assert {o.request_id for o in seq} == {"dup"} and seq[-1].finished
+        assert list(seq[-1].outputs[0].token_ids) == want[i][0]
+    for seq, ref in zip(pooled, alone, strict=True):
+        assert [o.request_id for o in seq] == ["pdup"]
+        assert seq[0].outputs.data.tolist() == pytest.approx(ref.outputs.data.tolist(), abs=1e-5)
+
+
+def test_cancelling_one_duplicate_leaves_the_other_running(engine) -> None:
+    async def main():
+        params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+        seen: dict[int, list] = {0: [], 1: []}
+
+        async def consume(i):
+            async for out in engine.generate(PROMPTS[i], params, "twin"):
+                seen[i].append(out)
+
+        tasks = [asyncio.create_task(consume(i)) for i in (0, 1)]
+        while not (seen[0] and seen[1]):
+            assert not any(t.done() for t in tasks), [t.exception() for t in tasks if t.done()]
+            await asyncio.sleep(0.005)
+        tasks[1].cancel()  # its own request only: the other shares its id and goes on
+        with pytest.raises(asyncio.CancelledError):
+            await tasks[1]
+        await tasks[0]
+        assert not await _unfinished(engine)
+        return seen
+
+    seen = asyncio.run(main())
+    last = seen[0][-1]
+    assert last.request_id == "twin" and last.finished
+    assert len(last.outputs[0].token_ids) == 40 and last.outputs[0].finish_reason == "length"
+    assert not seen[1][-1].finished
+
+
+def test_abort_by_a_duplicate_id_ends_all_of_its_requests(engine, want) -> None:
+    async def main():
+        params = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
+        seen: dict[int, list] = {0: [], 1: []}
+
+        async def consume(i):
+            async for out in engine.generate(PROMPTS[i], params, "both"):
+                seen[i].append(out)
+
+        tasks = [asyncio.create_task(consume(i)) for i in (0, 1)]
+        greedy = SamplingParams(max_tokens=12, temperature=0)
+        other = asyncio.create_task(_last(engine.generate(PROMPTS[2], greedy, "bystander")))
+        while not (seen[0] and seen[1]):
+            assert not any(t.done() for t in tasks), [t.exception() for t in tasks if t.done()]
+            await asyncio.sleep(0.005)
+        await engine.abort("both")
+        for task in tasks:
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        bystander = await other
+        assert not await _unfinished(engine)
+        return seen, bystander
+
+    seen, bystander = asyncio.run(main())
+    assert not seen[0][-1].finished and not seen[1][-1].finished
+    assert list(bystander.outputs[0].token_ids) == want[2][0]
+
+
+def test_a_caller_cancelled_during_its_add_aborts_it(engine, monkeypatch) -> None:
+    inner = engine.engine
+    real = inner.add_request
+    entered, release = threading.Event(), threading.Event()
+
+    def slow_add(*args, **kwargs):  # the engine thread, inside the add
+        entered.set()
+        release.wait(10)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(inner, "add_request", slow_add)
+
+    async def main():
+        params = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
+        task = asyncio.create_task(_last(engine.generate(PROMPTS[0], params, "early")))
+        while not entered.is_set():
+            await asyncio.sleep(0.005)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        release.set()
+        return await _unfinished(engine)  # its abort ran before this call: no step between
+
+    assert asyncio.run(main()) is False
 
 
 def test_a_failed_step_fails_the_requests_in_flight_only(engine, want, monkeypatch) -> None:
@@ -231,7 +334,8 @@ def test_engine_args_and_construction_errors(tiny_llama_dir, caplog) -> None:
     try:
         with caplog.at_level(logging.INFO, logger="paged_engine.engine.async_llm"):
             asyncio.run(_last(eng.generate("hi", SamplingParams(max_tokens=2), "logged")))
-        assert "Added request logged." in caplog.text
+        # vLLM logs the request's internal id
+        assert re.search(r"Added request logged-[0-9a-f]{8}\.", caplog.text)
     finally:
         eng.shutdown()
     assert not eng.is_running

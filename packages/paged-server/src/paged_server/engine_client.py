@@ -63,12 +63,12 @@ import queue
 import re
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Any
 
+from paged_engine.engine.output_processor import internal_request_id
 from paged_engine.engine.request_latency import RequestClock
 from paged_engine.sampling_params import RequestOutputKind, SamplingParams
 from paged_engine.structured_output.grammar import GrammarBusyError
@@ -624,12 +624,6 @@ class EngineClient:
                     stream.group.queue.put((stream.index, err))
                     failed.append(rid)
         return failed
-
-
-def internal_request_id(request_id: str) -> str:
-    """The engine's id of a request the client named `request_id`: unique while in flight
-    (8 random hex digits: a collision needs 2**32 requests of one id at once)."""
-    return f"{request_id}-{uuid.uuid4().hex[:8]}"
 
 
 def _guess_param(message: str, fields: set[str]) -> str | None:

@@ -16,6 +16,10 @@ Invariants:
   stops iterating early (break, cancellation, an exception) aborts its request, and `abort()`
   ends a request's generator with asyncio.CancelledError (vLLM's behaviour). A pause or sleep
   with mode "abort" finishes the requests instead (finish_reason "abort"), as on `LLMEngine`.
+- Request ids, as vLLM's: each request gets an internal id (the caller's plus 8 random hex
+  digits, `internal_request_id`) that keys `_streams` and every engine call, so requests sharing
+  the caller's id in flight are all served; their outputs carry the caller's id. A generator
+  left early aborts its internal id only; `abort(request_id)` ends every request of that id.
 - A slow consumer merges: cumulative outputs (CUMULATIVE, FINAL_ONLY) keep only the newest of
   those queued; DELTA outputs are all yielded, in order.
 - A request or `add_lora` naming a LoRA adapter that is not loaded waits on the caller's side
@@ -44,6 +48,7 @@ from typing import Any
 
 from paged_engine.config import EngineConfig
 from paged_engine.core.step_isolation import RequestFailedError
+from paged_engine.engine.output_processor import internal_request_id
 from paged_engine.executor.base import EngineDeadError
 from paged_engine.lora.request import LoRARequest
 from paged_engine.outputs import RequestOutput
@@ -96,6 +101,7 @@ class AsyncEngineArgs(EngineArgs):
 class _Stream:
     """One request's outputs, delivered on the event loop of the caller that added it."""
 
+    request_id: str  # the caller's (external) id, which its outputs carry
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     kind: RequestOutputKind
@@ -117,7 +123,7 @@ class AsyncLLM:
         self.log_requests = log_requests
         self._config = EngineConfig.from_kwargs(model=model, **kwargs)  # bad options: here
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, _Stream] = {}  # engine thread only
+        self._streams: dict[str, _Stream] = {}  # by internal id; engine thread only
         self._dead: BaseException | None = None
         self._stopping = False
         self.engine: Any = None
@@ -183,11 +189,13 @@ class AsyncLLM:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         kind = getattr(params, "output_kind", RequestOutputKind.FINAL_ONLY)
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), kind)
+        stream = _Stream(request_id, asyncio.get_running_loop(), asyncio.Queue(), kind)
         await self._read_adapter(lora)
-        await self._submit(("add", request_id, prompt, params, lora, priority, stream))
+        internal_id = internal_request_id(request_id)
         finished = False
         try:
+            # inside: a caller cancelled while its add is under way aborts it (queued after it)
+            await self._submit(("add", internal_id, prompt, params, lora, priority, stream))
             while not finished:
                 item = await stream.queue.get()
                 if kind != RequestOutputKind.DELTA:  # cumulative: the newest is all of it
@@ -199,14 +207,15 @@ class AsyncLLM:
                 finished = bool(item.finished)
                 yield item
         finally:
-            if not finished:  # the caller left early: nothing more is wanted
-                self._commands.put(("abort", [request_id]))
+            if not finished:  # the caller left early: nothing more is wanted of this request
+                self._commands.put(("abort", [internal_id], True))
 
-    async def abort(self, request_id: str | Iterable[str]) -> None:
-        """Abort requests (unknown or finished ids are ignored): their generators raise
+    async def abort(self, request_id: str | Iterable[str], internal: bool = False) -> None:
+        """Abort requests (unknown or finished ids are ignored): each caller's id names every
+        request added under it (`internal=True`: engine ids, vLLM's). Their generators raise
         asyncio.CancelledError, as vLLM's do."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        await self._call(lambda e: self._abort(ids))
+        await self._call(lambda e: self._abort(ids, internal))
 
     # ---- the rest of vLLM's engine client -----------------------------------------------------
     async def get_tokenizer(self, lora_request: LoRARequest | None = None) -> Any:
@@ -413,7 +422,7 @@ class AsyncLLM:
     def _run_command(self, command: tuple) -> None:
         kind, *rest = command
         if kind == "abort":
-            self._abort(rest[0])
+            self._abort(*rest)
             return
         fut = rest[-1]
         if not fut.set_running_or_notify_cancel():
@@ -429,19 +438,23 @@ class AsyncLLM:
             fut.set_exception(e)
 
     def _add(self, request_id, prompt, params, lora, priority, stream) -> None:
-        if request_id in self._streams:
-            raise ValueError(f"request_id {request_id!r} is already in flight")
         self.engine.add_request(request_id, prompt, params, lora_request=lora, priority=priority)
         self._streams[request_id] = stream
         if self.log_requests:
             logger.info("Added request %s.", request_id)
 
-    def _abort(self, ids: list[str]) -> None:
-        live = [i for i in ids if i in self._streams]
+    def _abort(self, ids: list[str], internal: bool) -> None:
+        """Abort the requests of these caller's ids, or (`internal`) of these engine ids."""
+        if internal:
+            live = [i for i in ids if i in self._streams]
+        else:
+            wanted = set(ids)
+            live = [i for i, s in self._streams.items() if s.request_id in wanted]
         if live:
             self.engine.abort_request(live)
         for rid in live:  # the engine says nothing more of them: their generators end here
-            self._streams.pop(rid).put(_aborted(rid))
+            stream = self._streams.pop(rid)
+            stream.put(_aborted(stream.request_id))
 
     def _dispatch(self, outputs: list[Any]) -> None:
         for out in outputs:
@@ -450,6 +463,7 @@ class AsyncLLM:
                 continue
             if out.finished:
                 del self._streams[out.request_id]
+            out.request_id = stream.request_id
             stream.put(out)
 
     def _fail_culprits(self, e: RequestFailedError) -> None:

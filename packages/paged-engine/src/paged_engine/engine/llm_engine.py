@@ -17,7 +17,6 @@ import dataclasses
 import json
 import logging
 import time
-import uuid
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from typing import Any
@@ -45,7 +44,11 @@ from paged_engine.engine.encoder import encoder_class, encoder_engine_config, en
 from paged_engine.engine.encoder_prompt import encoder_prompts  # BART: decoder / encoder
 from paged_engine.engine.generation_defaults import generation_defaults
 from paged_engine.engine.input_processor import InputProcessor
-from paged_engine.engine.output_processor import OutputProcessor, ProcessedOutputs
+from paged_engine.engine.output_processor import (
+    OutputProcessor,
+    ProcessedOutputs,
+    internal_request_id,
+)
 from paged_engine.engine.prompt_embeds import (
     check_prompt_embeds,
     embedding_width,
@@ -443,7 +446,7 @@ class LLMEngine:
         if request_id in self.output_processor.states:
             # vLLM (InputProcessor.assign_request_id): served under an internal id of its own;
             # its outputs carry the caller's id, and aborting that id aborts every such request
-            external_req_id, request_id = request_id, f"{request_id}-{uuid.uuid4().hex[:8]}"
+            external_req_id, request_id = request_id, internal_request_id(request_id)
         if self.serves != "both" and isinstance(params, PoolingParams) != (
             self.serves == "pooling"
         ):

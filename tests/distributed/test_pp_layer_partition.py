@@ -5,12 +5,10 @@ gloo ranks split "1,3" gives the single-process engine's outputs."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
-from test_world_sizes import _assert_same, _built_layers
+from test_world_sizes import _assert_same, _built_layers, _outputs
 
-from paged_engine import LLM, SamplingParams
+from paged_engine import LLM
 from paged_engine.distributed import parallel_state
 from paged_engine.distributed.parallel_state import (
     ParallelState,
@@ -101,33 +99,15 @@ def _kv_cache_layers(worker) -> int:
     return len(worker.model_runner.cache.kv_caches)
 
 
-def _run(path, **kwargs):
-    """(greedy tokens and logprobs, each rank's built decoder layers and KV cache entries)."""
-    llm = LLM(model=str(path), dtype="float32", max_model_len=128, **kwargs)
-    try:
-        rng = random.Random(0)
-        prompts = [
-            {"prompt_token_ids": [rng.randrange(3, 200) for _ in range(rng.randint(3, 24))]}
-            for _ in range(3)
-        ]
-        sp = SamplingParams(temperature=0, max_tokens=8, logprobs=1, ignore_eos=True)
-        outs = llm.generate(prompts, sp, use_tqdm=False)
-        ranks = llm.collective_rpc(_built_layers), llm.collective_rpc(_kv_cache_layers)
-    finally:
-        llm.llm_engine.shutdown()
-    got = []
-    for o in outs:
-        c = o.outputs[0]
-        got.append((list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]))
-    return got, ranks
+PROBES = (_built_layers, _kv_cache_layers)  # each rank's built decoder layers and KV caches
 
 
 @pytest.mark.slow
 def test_pp2_split_one_and_three_matches_one_process(tmp_path, monkeypatch):
     path = write_tiny_model(tmp_path, "llama", seed=3, num_hidden_layers=4)
-    want, _ = _run(path)
+    want, _ = _outputs(path)
     monkeypatch.setenv(ENV, "1,3")  # the spawned workers inherit it
-    got, (built, cached) = _run(path, pipeline_parallel_size=2)
+    got, (built, cached) = _outputs(path, PROBES, pipeline_parallel_size=2)
     _assert_same(got, want)
     assert built == [[0], [1, 2, 3]]
     assert cached == [1, 3]
@@ -150,11 +130,11 @@ def test_longcat_stages_keep_each_layers_two_caches(tmp_path, monkeypatch):
     """3 layers (6 caches) over 2 stages, the default [2, 1] and the partition "1,2": the
     stages split layers, not caches, so no stage gets half of a layer's pair."""
     path = write_tiny_model(tmp_path, "longcat_flash", seed=3, num_layers=3)
-    want, _ = _run(path)
-    got, (_, cached) = _run(path, pipeline_parallel_size=2)
+    want, _ = _outputs(path)
+    got, (_, cached) = _outputs(path, PROBES, pipeline_parallel_size=2)
     _assert_same(got, want)
     assert cached == [4, 2]
     monkeypatch.setenv(ENV, "1,2")
-    got, (built, cached) = _run(path, pipeline_parallel_size=2)
+    got, (built, cached) = _outputs(path, PROBES, pipeline_parallel_size=2)
     _assert_same(got, want)
     assert (built, cached) == ([[0], [1, 2]], [2, 4])

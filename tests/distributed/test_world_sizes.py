@@ -90,7 +90,9 @@ def test_every_layers_kv_head_count_is_checked_before_any_rank_starts():
             check_model_parallelism(odd, 2, 1)
 
 
-def _outputs(path, **kwargs):
+def _outputs(path, probes=(), **kwargs):
+    """(greedy tokens and logprobs of three random prompts, each probe's per-rank results:
+    `llm.collective_rpc(probe)`)."""
     llm = LLM(model=str(path), dtype="float32", max_model_len=128, **kwargs)
     try:
         rng = random.Random(0)
@@ -100,14 +102,14 @@ def _outputs(path, **kwargs):
         ]
         sp = SamplingParams(temperature=0, max_tokens=8, logprobs=1, ignore_eos=True)
         outs = llm.generate(prompts, sp, use_tqdm=False)
-        built = llm.collective_rpc(_built_layers) if kwargs else None
+        ranks = [llm.collective_rpc(probe) for probe in probes]
     finally:
         llm.llm_engine.shutdown()
     got = []
     for o in outs:
         c = o.outputs[0]
         got.append((list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]))
-    return got, built
+    return got, ranks
 
 
 def _built_layers(worker) -> list[int]:
@@ -127,7 +129,7 @@ def test_tp4_replicates_a_single_kv_head_with_a_padded_vocab_and_tied_head(tmp_p
     # 4 query heads over 4 ranks, 1 KV head on each; 509 = 4 * 128 - 3 ids; tied embeddings
     path = write_tiny_model(tmp_path, "qwen3", seed=3, num_key_value_heads=1, vocab_size=509)
     want, _ = _outputs(path)
-    got, built = _outputs(path, tensor_parallel_size=4)
+    got, (built,) = _outputs(path, (_built_layers,), tensor_parallel_size=4)
     _assert_same(got, want)
     assert built == [[0, 1]] * 4
 
@@ -136,7 +138,7 @@ def test_tp4_replicates_a_single_kv_head_with_a_padded_vocab_and_tied_head(tmp_p
 def test_pp3_over_four_layers_gives_the_middle_stage_two(tmp_path):
     path = write_tiny_model(tmp_path, "llama", seed=3, num_hidden_layers=4)
     want, _ = _outputs(path)
-    got, built = _outputs(path, pipeline_parallel_size=3)
+    got, (built,) = _outputs(path, (_built_layers,), pipeline_parallel_size=3)
     _assert_same(got, want)
     assert built == [[0], [1, 2], [3]]
 

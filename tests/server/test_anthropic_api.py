@@ -104,7 +104,7 @@ def _prompt_len(*messages: tuple[str, str]) -> int:
 # ---- the message object --------------------------------------------------------------------
 def test_text_message_shape_and_usage(srv: SimpleNamespace) -> None:
     r = _create(srv, "Hello there.", system="Be brief.", temperature=0.5, top_k=4, top_p=0.9)
-    assert r["id"].startswith("msg_") and r["type"] == "message" and r["role"] == "assistant"
+    assert r["id"].startswith("chatcmpl-") and r["type"] == "message" and r["role"] == "assistant"
     assert r["model"] == "tiny" and r["content"] == [{"type": "text", "text": "Hello there."}]
     assert (r["stop_reason"], r["stop_sequence"]) == ("end_turn", None)
     n = _prompt_len(("system", "Be brief."), ("user", "Hi"))
@@ -250,7 +250,9 @@ def test_a_stream_is_anthropics_event_sequence(srv: SimpleNamespace) -> None:
     ]
     start = events[0]["message"]
     assert (
-        start["content"] == [] and start["stop_reason"] is None and start["id"].startswith("msg_")
+        start["content"] == []
+        and start["stop_reason"] is None
+        and start["id"].startswith("chatcmpl-")
     )
     assert _joined(events) == [{"type": "text", "text": "Hello "}]
     delta = events[-2]

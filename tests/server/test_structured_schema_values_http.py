@@ -73,14 +73,22 @@ def test_a_boolean_schema_is_a_400_in_every_spelling(
 def test_an_empty_schema_is_any_value_as_vllm_passes_it_on() -> None:
     """`"schema": {}` is JSON Schema's any value; vLLM hands it to the engine as it is
     (structured_outputs_from_response_format: json=json_schema.json_schema). Before, it was
-    changed to {"type": "object"}; an absent schema still is."""
-    from paged_server.structured_request import parse_structured
+    changed to {"type": "object"}. An absent one is no constraint: vLLM's
+    StructuredOutputsParams(json=None) refuses it, a 400 (before: {"type": "object"});
+    tests/server/test_vllm_request_parity.py covers it through the routes."""
+    from paged_server.errors import APIError
+    from paged_server.structured_request import check_schema_given, parse_structured
 
     def rf(js: dict) -> dict:
         return {"response_format": {"type": "json_schema", "json_schema": {"name": "x", **js}}}
 
     assert parse_structured(rf({"schema": {}})) == ({"json": {}}, "response_format")
-    assert parse_structured(rf({})) == ({"json": {"type": "object"}}, "response_format")
+    check_schema_given(*parse_structured(rf({"schema": {}})))
+    spec, param = parse_structured(rf({}))
+    assert (spec, param) == ({"json": None}, "response_format")
+    with pytest.raises(APIError) as e:
+        check_schema_given(spec, param)
+    assert e.value.status == 400 and e.value.param == "response_format"
 
 
 def test_an_empty_schema_is_served(real_server: ServerProc) -> None:

@@ -87,10 +87,6 @@ def anthropic_errors() -> Iterator[None]:
         raise AnthropicError(e.status, e.message, e.param, e.code, e.headers) from None
 
 
-def _new_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
-
-
 def _parse(app: OpenAIApp, h: Handler, count_only: bool = False) -> MessagesRequest:
     budget_ok = app.reasoning_parser is not None
     return parse_messages(
@@ -145,7 +141,8 @@ def _fit_window(app: OpenAIApp, req: MessagesRequest, n_prompt: int) -> bool:
 def serve_messages(app: OpenAIApp, h: Handler) -> None:
     req = _parse(app, h)
     chat = req.chat
-    mid = _new_id("msg")
+    # vLLM answers the chat completion's id: "chatcmpl-" + X-Request-Id (else a random id)
+    mid = f"chatcmpl-{app.base_request_id(h)}"
     with messages_params():
         model, lora = app._resolve(chat.model)
         text, ids, reasoning = app._chat_prompt(chat)

@@ -15,7 +15,7 @@ from paged_server.chat_messages import chat_documents, chat_message, template_kw
 from paged_server.errors import APIError, bad_request
 from paged_server.media import MediaRef, media_io_kwargs
 from paged_server.structured_request import FIELDS as STRUCTURED_FIELDS
-from paged_server.structured_request import parse_structured
+from paged_server.structured_request import check_schema_given, parse_structured
 from paged_server.tools import ToolRequest, parse_tools
 
 MAX_N = 128
@@ -253,6 +253,16 @@ class _Body:
         return v
 
 
+_SALT_FORBIDDEN = frozenset("@/\\\x00")
+
+
+def _logprob_token_ids(b: _Body) -> list[int] | None:
+    ids = b.int_list("logprob_token_ids")
+    if ids == []:  # vLLM: a 400, not the top-k logprobs of an absent list
+        raise bad_request("'logprob_token_ids' must not be an empty list", "logprob_token_ids")
+    return ids
+
+
 def _sampling(b: _Body) -> dict[str, Any]:
     s: dict[str, Any] = {}
     checks = {
@@ -280,7 +290,7 @@ def _sampling(b: _Body) -> dict[str, Any]:
             else None
         ),
         "allowed_token_ids": lambda: b.int_list("allowed_token_ids"),
-        "logprob_token_ids": lambda: b.int_list("logprob_token_ids") or None,
+        "logprob_token_ids": lambda: _logprob_token_ids(b),
         "logit_bias": lambda: _logit_bias(b.d.get("logit_bias")),
         "bad_words": lambda: _bad_words(b.d.get("bad_words")),
         "repetition_detection": lambda: _repetition_detection(b),
@@ -385,10 +395,12 @@ def _stream_flags(b: _Body) -> tuple[bool, bool]:
     # continuous_usage_stats (vLLM) is read by _continuous_usage.
     if not isinstance(opts, dict) or set(opts) - _STREAM_OPTIONS:
         raise bad_request("'stream_options' must be {\"include_usage\": bool}", "stream_options")
-    if not stream:
-        raise bad_request(
-            "'stream_options' is only allowed when 'stream' is true", "stream_options"
-        )
+    if not stream:  # vLLM refuses only options set: `{}` without a stream is served
+        if opts:
+            raise bad_request(
+                "'stream_options' is only allowed when 'stream' is true", "stream_options"
+            )
+        return stream, False
     usage = opts.get("include_usage", False)
     if not isinstance(usage, bool):
         raise bad_request("'stream_options.include_usage' must be a boolean", "stream_options")
@@ -423,12 +435,18 @@ def _common(b: _Body, req: GenerationRequest) -> None:
     salt = b.d.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise bad_request("'cache_salt' must be a non-empty string if provided", "cache_salt")
+    if salt is not None and (len(salt) > 128 or not _SALT_FORBIDDEN.isdisjoint(salt)):
+        raise bad_request(  # (vLLM's validate_cache_salt: what cache backends key safely)
+            "'cache_salt' must be at most 128 characters and must not contain '@', '/', '\\' "
+            "or NUL",
+            "cache_salt",
+        )
     req.cache_salt = salt
     req.continuous_usage = _continuous_usage(b, req.include_usage)
     req.return_token_ids = b.bool("return_token_ids")
     req.tokens_as_ids = b.bool("return_tokens_as_token_ids")
     req.prompt_logprobs = b.int("prompt_logprobs", None, -1, MAX_LOGPROBS)
-    if req.prompt_logprobs is not None and req.stream:
+    if req.prompt_logprobs not in (None, 0) and req.stream:  # (0, as vLLM: nothing to send)
         raise bad_request("'prompt_logprobs' is not available with 'stream'", "prompt_logprobs")
     if req.use_beam_search and req.stream:
         raise bad_request("streaming is not supported with beam search", "use_beam_search")
@@ -496,6 +514,7 @@ def parse_completion(body: Any) -> GenerationRequest:
     )
     _common(b, req)
     req.structured, req.structured_param = parse_structured(b.d)
+    check_schema_given(req.structured, req.structured_param)
     _check_beam_constraint(req)
     req.prompt_embeds = embeds
     if embeds and req.echo:
@@ -537,7 +556,7 @@ def parse_chat(
         max_tokens = b.int("max_tokens", None, 1, 1 << 31)
     logprobs = b.bool("logprobs")
     top = b.int("top_logprobs", None, -1, MAX_LOGPROBS)
-    if top is not None and not logprobs:
+    if top not in (None, 0) and not logprobs:  # (0 asks for nothing: vLLM serves it)
         raise bad_request("'top_logprobs' requires 'logprobs': true", "top_logprobs")
     req = GenerationRequest(
         model=None,
@@ -599,6 +618,7 @@ def parse_chat(
                 req.structured_param,
             )
         req.structured, req.structured_param = forced, "tools"
+    check_schema_given(req.structured, req.structured_param)
     _check_beam_constraint(req)
     return req
 

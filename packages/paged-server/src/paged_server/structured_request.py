@@ -114,8 +114,10 @@ def _response_format(rf: Any) -> dict[str, Any] | None:
         raise bad_request(
             "'response_format.json_schema.name' must be a non-empty string", "response_format"
         )
-    schema = js.get("schema", {"type": "object"})  # (absent: any JSON object)
-    if not isinstance(schema, dict):  # (vLLM's type: dict; a boolean schema too is a 400)
+    schema = js.get("schema")  # None (absent or null): refused unless a forced call wins
+    if schema is not None and not isinstance(
+        schema, dict
+    ):  # (vLLM's type: dict; a boolean schema too is a 400)
         raise bad_request(
             "'response_format.json_schema.schema' must be an object", "response_format"
         )
@@ -124,6 +126,18 @@ def _response_format(rf: Any) -> dict[str, Any] | None:
             "'response_format.json_schema.strict' must be a boolean", "response_format"
         )
     return {"json": schema}  # (`{}`: any JSON value, as vLLM passes it on)
+
+
+def check_schema_given(spec: dict[str, Any] | None, param: str | None) -> None:
+    """A json_schema response_format without a schema constrains nothing: vLLM's
+    StructuredOutputsParams(json=None) refuses it (a 400), unless a forced tool call's schema
+    replaced the format first (its tool parser's adjust_request)."""
+    if param == "response_format" and spec is not None and "json" in spec and spec["json"] is None:
+        raise bad_request(
+            "'response_format.json_schema.schema' is required: a json_schema format without "
+            "a schema constrains nothing (use 'json_object' for any JSON object)",
+            param,
+        )
 
 
 def check_structured(params: Any, param: str | None) -> None:

@@ -7,7 +7,9 @@
     "required"              the output is forced (structured outputs) to a JSON array of
                             {"name", "parameters"} objects, one of the tools each, at least one
                             (exactly one when parallel_tool_calls is false)
-    {"type": "function", "function": {"name": N}}   forced to N's parameters schema
+    {"type": "function", "function": {"name": N}}   forced to N's parameters schema as sent
+                            (`{}`: any JSON value); N without parameters is not constrained
+                            (its text is the arguments), as vLLM's get_json_schema_from_tools
 
 parallel_tool_calls false keeps only the first parsed call (index 0 in a stream), as vLLM's
 maybe_filter_parallel_tool_calls does; the Responses and Messages APIs pass theirs through.
@@ -42,12 +44,15 @@ class ToolRequest:
     named: str | None = None
     parallel: bool = True
     schemas: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> parameters
+    # name -> parameters as sent (None: absent or null); schemas maps a falsy one to an object
+    sent: dict[str, dict[str, Any] | None] = field(default_factory=dict)
 
     def constraint(self) -> dict[str, Any] | None:
         """structured_outputs forcing the call(s), for "required" and a named function."""
-        if self.choice == "named":
+        if self.choice == "named":  # vLLM forces the parameters as sent, none when absent
             assert self.named is not None
-            return {"json": self.schemas[self.named]}
+            params = self.sent[self.named]
+            return None if params is None else {"json": params}
         if self.choice != "required":
             return None
         one_of = [
@@ -83,6 +88,7 @@ def parse_tools(body: dict[str, Any], parser_name: str | None) -> ToolRequest | 
     if not isinstance(tools, list):
         raise bad_request("'tools' must be a list of tool objects", "tools")
     schemas: dict[str, dict[str, Any]] = {}
+    sent: dict[str, dict[str, Any] | None] = {}
     for i, tool in enumerate(tools):
         param = f"tools[{i}]"
         fn = tool.get("function") if isinstance(tool, dict) else None
@@ -93,11 +99,12 @@ def parse_tools(body: dict[str, Any], parser_name: str | None) -> ToolRequest | 
             raise bad_request(f"{param}.function.name must be a non-empty string", param)
         if name in schemas:
             raise bad_request(f"{param}: duplicate function name {name!r}", param)
-        params = fn.get("parameters", {"type": "object", "properties": {}})
-        if not isinstance(params, dict):
+        params = fn.get("parameters")
+        if params is not None and not isinstance(params, dict):
             raise bad_request(f"{param}.function.parameters must be a JSON schema object", param)
+        sent[name] = params
         schemas[name] = params or {"type": "object", "properties": {}}
-    req = ToolRequest(tools=tools, choice="auto", parallel=parallel, schemas=schemas)
+    req = ToolRequest(tools=tools, choice="auto", parallel=parallel, schemas=schemas, sent=sent)
     if choice is None or choice == "auto":
         if parser_name is None:
             raise bad_request(

@@ -330,7 +330,7 @@ def serve_speech(app: OpenAIApp, h: Handler, task: str) -> None:
     if req.response_format in ("verbose_json", "srt", "vtt"):
         kwargs["logprobs"] = 0  # the sampled token's: a segment's avg_logprob
     params = app.client.make_params(kwargs, beam=False, stream=req.stream)
-    rid = f"{task}-{uuid.uuid4().hex}"
+    rid = f"{task}-{app.base_request_id(h)}"  # vLLM's: X-Request-Id names the stream's chunks
     rids = [f"{rid}-{i}" for i in range(len(prompts))]
     if app.log_requests is not None:
         app._log_request(rids, [None] * len(rids), [p["prompt_token_ids"] for p in prompts], params)

@@ -68,7 +68,7 @@ from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Any
 
-from paged_engine.engine.output_processor import internal_request_id
+from paged_engine.engine.request_ids import internal_request_id
 from paged_engine.engine.request_latency import RequestClock
 from paged_engine.sampling_params import RequestOutputKind, SamplingParams
 from paged_engine.structured_output.grammar import GrammarBusyError

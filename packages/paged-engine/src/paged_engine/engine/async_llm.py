@@ -48,7 +48,7 @@ from typing import Any
 
 from paged_engine.config import EngineConfig
 from paged_engine.core.step_isolation import RequestFailedError
-from paged_engine.engine.output_processor import internal_request_id
+from paged_engine.engine.request_ids import internal_request_id
 from paged_engine.executor.base import EngineDeadError
 from paged_engine.lora.request import LoRARequest
 from paged_engine.outputs import RequestOutput

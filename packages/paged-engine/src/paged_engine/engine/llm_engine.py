@@ -44,15 +44,12 @@ from paged_engine.engine.encoder import encoder_class, encoder_engine_config, en
 from paged_engine.engine.encoder_prompt import encoder_prompts  # BART: decoder / encoder
 from paged_engine.engine.generation_defaults import generation_defaults
 from paged_engine.engine.input_processor import InputProcessor
-from paged_engine.engine.output_processor import (
-    OutputProcessor,
-    ProcessedOutputs,
-    internal_request_id,
-)
+from paged_engine.engine.output_processor import OutputProcessor, ProcessedOutputs
 from paged_engine.engine.prompt_embeds import (
     check_prompt_embeds,
     embedding_width,
 )
+from paged_engine.engine.request_ids import internal_request_id
 from paged_engine.engine.sleep_mode import SleepMode
 from paged_engine.engine.stats import EngineStats, engine_stats
 from paged_engine.executor.base import Executor

@@ -13,7 +13,6 @@ must not share it with a thread that changes its settings).
 from __future__ import annotations
 
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,14 +33,6 @@ from paged_engine.pooling import (
 )
 from paged_engine.sample.beam_search import trace_steps
 from paged_engine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
-
-
-def internal_request_id(request_id: str) -> str:
-    """An engine id for a request the caller named `request_id` (vLLM's
-    `InputProcessor.assign_request_id`): it plus 8 random hex digits, so requests sharing the
-    caller's id stay apart (two of them clash with odds 2**-32)."""
-    return f"{request_id}-{uuid.uuid4().hex[:8]}"
-
 
 _CUMULATIVE = RequestOutputKind.CUMULATIVE
 _DELTA = RequestOutputKind.DELTA

@@ -236,7 +236,7 @@ def _tools(value: Any) -> list[dict[str, Any]] | None:
             fn["description"] = _string(tool["description"], f"{p}.description")
         fn["parameters"] = _object(tool.get("input_schema"), f"{p}.input_schema")
         out.append({"type": "function", "function": fn})
-    return out
+    return out or None  # (none: no tools; the chat route refuses an empty list)
 
 
 def _tool_choice(value: Any) -> tuple[Any, bool]:

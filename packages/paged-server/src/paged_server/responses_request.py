@@ -340,7 +340,7 @@ def _tools(value: Any) -> tuple[list[dict[str, Any]] | None, list[dict[str, Any]
                 "strict": tool.get("strict"),
             }
         )
-    return chat, echo
+    return chat or None, echo  # (none: no tools; the chat route refuses an empty list)
 
 
 def _tool_choice(value: Any, has_tools: bool) -> Any:

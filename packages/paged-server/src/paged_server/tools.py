@@ -81,7 +81,12 @@ def parse_tools(body: dict[str, Any], parser_name: str | None) -> ToolRequest | 
     parallel = True if parallel is None else parallel  # null: the default (vLLM's bool | None)
     if not isinstance(parallel, bool):
         raise bad_request("'parallel_tool_calls' must be a boolean", "parallel_tool_calls")
-    if tools is None or tools == []:
+    if tools == []:  # vLLM (check_tool_usage), as OpenAI: omit the field instead
+        raise bad_request(
+            "'tools' must not be an empty array: give at least one tool or omit the field",
+            "tools",
+        )
+    if tools is None:
         if choice not in (None, "none"):
             raise bad_request("'tool_choice' needs 'tools'", "tool_choice")
         return None

@@ -19,7 +19,11 @@ Regressions: LLaVA-family wrappers around Gemma (Intel/llava-gemma-*), Phi-3
 (InternVL3_5-GPT-OSS-20B-A4B-Preview-HF), which transformers runs, were refused at load
 ("text-only serving knows: ..."). Granite's logits_scaling is kept (vLLM's and transformers 4's
 logits), where transformers 5's LLaVA-NeXT head drops it: same greedy tokens, logprobs of
-its logits / logits_scaling.
+its logits / logits_scaling. LLaVA-family and InternVL wrappers around any other text model
+transformers and vLLM build from text_config (OLMo 2, Cohere 2, GraniteMoE, Qwen2-MoE,
+StableLM) were refused the same way; each now serves as its registered class, its logits rules
+kept (GraniteMoE's division, Cohere 2's logit_scale), and a type paged serves as no causal LM
+(or whose decoder is not under `model.`) is refused by name.
 """
 
 from __future__ import annotations
@@ -417,6 +421,19 @@ CASES: dict[str, Builder] = {
     "internvl-gpt_oss": lambda: _internvl("gpt_oss", {}),
     # InternVL3.5 (Qwen3 text) with head_dim 16
     "internvl-qwen3-head_dim": lambda: _internvl("qwen3", {"head_dim": 16}),
+    # text models no released checkpoint pairs them with, which transformers' and vLLM's
+    # LLaVA / InternVL wrappers build from text_config as any other (refused before: see the
+    # module doc); logit scales at 1 where transformers 5's wrapper head drops them
+    "llava-olmo2": lambda: _llava("Llava", "olmo2", {}),
+    "llava-cohere2-window": lambda: _llava(
+        "Llava", "cohere2", {"logit_scale": 1.0}, tie_word_embeddings=True
+    ),
+    "llava_next-granitemoe": lambda: _llava(
+        "LlavaNext", "granitemoe", {"logits_scaling": 1.0}, tie_word_embeddings=True
+    ),
+    "llava_onevision-qwen2_moe": lambda: _onevision("qwen2_moe", {}),
+    "internvl-stablelm": lambda: _internvl("stablelm", {"qk_layernorm": True}),
+    "internvl-olmo2": lambda: _internvl("olmo2", {}, tie_word_embeddings=True),
     # Aya Vision 8B: Cohere 2 with a window on 3 of 4 layers
     "aya_vision-window": lambda: _aya_vision(
         {
@@ -573,6 +590,7 @@ CHUNKED = {
     "llava-qwen2-window",
     "aya_vision-window",
     "qwen2_vl-sliding",
+    "llava-cohere2-window",
 }
 
 
@@ -850,11 +868,11 @@ def test_mllama_image_with_text_variant(tmp_path):
     _check_images(path, cls, cases, inputs, "mllama")
 
 
-@pytest.mark.parametrize("text", ["gemma", "phi3", "granite"])
+@pytest.mark.parametrize("text", ["gemma", "phi3", "granite", "olmo2"])
 def test_llava_images_with_other_text_backbones(text, tmp_path):
-    """LLaVA around Gemma (its scaled embedding: image rows spliced unscaled, as in HF) and
-    Phi-3; LLaVA-NeXT around Granite (its embedding_multiplier on the image rows too, as in
-    HF)."""
+    """LLaVA around Gemma (its scaled embedding: image rows spliced unscaled, as in HF), Phi-3
+    and OLMo 2 (built from text_config as any text model); LLaVA-NeXT around Granite (its
+    embedding_multiplier on the image rows too, as in HF)."""
     from paged_engine.testing import write_tiny_llava
 
     pinpoints = {"grid_pinpoints": [[30, 60], [60, 30]]} if text == "granite" else {}
@@ -874,18 +892,30 @@ def test_llava_images_with_other_text_backbones(text, tmp_path):
     _check_images(path, cls, cases, _processor_inputs(path, *keys), f"llava-{text}")
 
 
-def test_llava_next_granite_keeps_logits_scaling(tmp_path):
+# (wrapper, text model_type, its logits field, value, factor on the wrapper head's logits)
+TEXT_LOGIT_RULES = {
+    "granite": ("LlavaNext", "granite", "logits_scaling", 4.0, 1 / 4.0),
+    "granitemoe": ("Llava", "granitemoe", "logits_scaling", 4.0, 1 / 4.0),
+    "cohere2": ("Llava", "cohere2", "logit_scale", 0.5, 0.5),
+}
+
+
+@pytest.mark.parametrize("name", list(TEXT_LOGIT_RULES))
+def test_llava_keeps_its_text_models_logit_rules(name, tmp_path):
     """granite-vision's logits are divided by text_config.logits_scaling as Granite's are
     (vLLM's choice, and transformers 4's, whose wrapper held a whole GraniteForCausalLM);
-    transformers 5's wrapper head drops the division: its greedy tokens, its logits / 4."""
-    cls, config = _llava("LlavaNext", "granite", {"logits_scaling": 4.0})
+    transformers 5's wrapper head drops the division: its greedy tokens, its logits / 4. Any
+    other text model's logits rules likewise (GraniteMoE's division, Cohere 2's logit_scale:
+    vLLM's language model is the whole registered class)."""
+    wrapper, text, field, value, factor = TEXT_LOGIT_RULES[name]
+    cls, config = _llava(wrapper, text, {field: value})
     path = write_hf_checkpoint(tmp_path, cls, config, seed=1)
     hf = load_hf_vlm(cls, path)
     prompt = _prompts("granite-scale")[1]
     ref = hf_greedy(hf, prompt, MAX_TOKENS)
     with torch.no_grad():
         logits = hf(torch.tensor([prompt + ref.tokens[:-1]])).logits[0, len(prompt) - 1 :]
-    want = torch.log_softmax(logits / 4.0, -1)
+    want = torch.log_softmax(logits * factor, -1)
     want = [want[i, t].item() for i, t in enumerate(ref.tokens)]
     llm = LLM(model=str(path), dtype="float32", max_model_len=128, block_size=16)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
@@ -895,6 +925,32 @@ def test_llava_next_granite_keeps_logits_scaling(tmp_path):
     assert [e[t].logprob for e, t in zip(got.logprobs, got.token_ids)] == pytest.approx(
         want, abs=1e-3
     )
+
+
+def _internvl_clip_text() -> tuple[type, Any]:
+    text = transformers.CLIPTextConfig(hidden_size=32, intermediate_size=64, num_attention_heads=2)
+    vision = {**_VISION, "image_size": [28, 28], "patch_size": [14, 14]}
+    config = transformers.InternVLConfig(text_config=text.to_dict(), vision_config=vision)
+    return transformers.InternVLForConditionalGeneration, config
+
+
+# name -> (builder, why): a text model paged serves as no causal LM (CLIP's text tower), or
+# whose decoder its class keeps elsewhere than `model.` (GPT-2's `transformer.`)
+REFUSED_TEXT: dict[str, tuple[Builder, str]] = {
+    "llava-gpt2": (lambda: _llava("Llava", "gpt2", {}), "'gpt2'.* under `transformer.`"),
+    "internvl-clip_text": (_internvl_clip_text, r"'clip_text_model'.* serves no causal LM"),
+}
+
+
+@pytest.mark.parametrize("name", list(REFUSED_TEXT))
+def test_text_model_paged_cannot_serve_is_refused_by_name(name):
+    from paged_engine.models.multimodal_text import text_only_config
+
+    build, why = REFUSED_TEXT[name]
+    cls, config = build()
+    config.architectures = [cls.__name__]
+    with pytest.raises(ValueError, match=rf"{cls.__name__} with a text_config .*{why}"):
+        text_only_config(config)
 
 
 def test_internvl_images_with_gpt_oss_text(tmp_path):

@@ -156,7 +156,7 @@ def load_hf_config(
     except StrictDataclassError as e:  # a field the config class's validators reject
         raise ValueError(f"config.json: {e}") from e
     # A vision-language wrapper: its text model's config, served text-only (multimodal_text.py)
-    return with_kv_head_count(text_only_config(config, resolved.path))
+    return with_kv_head_count(text_only_config(config))
 
 
 def apply_hf_overrides(config, overrides: dict | None):

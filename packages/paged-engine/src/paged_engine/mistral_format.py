@@ -123,7 +123,7 @@ def mistral_hf_config(path: Path):
         return text
     from paged_engine.models.multimodal_text import text_only_config
 
-    return text_only_config(wrapper)  # (tied or not as params.json says: no checkpoint_dir)
+    return text_only_config(wrapper)  # (tied or not as params.json says)
 
 
 def mistral_wrapper_config(path: Path):

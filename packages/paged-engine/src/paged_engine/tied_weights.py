@@ -13,7 +13,11 @@ checkpoint holds, and paged follows it (vLLM instead skips the head whenever the
 `untie_differing_head` decides the third row after the model is built and before it loads;
 `TiedHeadStream` (CausalLMBase.load_weights) the fourth; load_named_weights' missing-weight
 check the fifth. A GGUF file ties only when it lacks output.weight (gguf/hf_config.py), as
-llama.cpp does, so neither applies to it.
+llama.cpp does, so neither applies to it. A VLM wrapper served text-only (multimodal_text.py)
+decides alike on its language model's tensors, named by `text_model_weights`, and so do its
+Mistral consolidated weights (Mistral Small 3.x: config.json omits the top-level flag, which
+transformers reads as tied, yet the weights hold a head); a text model's consolidated format
+ties as its config says.
 """
 
 from __future__ import annotations
@@ -66,16 +70,18 @@ def untie_differing_head(
     """Give a built model's tied head a weight of its own where the checkpoint holds both
     tensors with different values (transformers' rule, above), setting the model's and
     `hf_config`'s `tie_word_embeddings` to False; True when it did. Reads the checkpoint's
-    names and, only where both are there, those two tensors. Safetensors and `.bin` files
-    only: GGUF never ties a head it has, Mistral's consolidated format ties by params.json."""
+    names and, only where both are there, those two tensors. Safetensors and `.bin` files,
+    and a VLM wrapper's Mistral consolidated weights: GGUF never ties a head it has, a text
+    model's consolidated format ties by its config."""
     from paged_engine.loader import _detect_format, iter_weights
-    from paged_engine.models.multimodal_text import text_model_weights
+    from paged_engine.models.multimodal_text import MARKER, text_model_weights
     from paged_engine.models.utils import CausalLMBase
 
     if not (isinstance(model, CausalLMBase) and model.tie_word_embeddings):
         return False
     fmt = _detect_format(resolved) if load_format == "auto" else load_format
-    if fmt not in ("safetensors", "pt"):
+    wrapped = getattr(hf_config, MARKER, None) is not None
+    if fmt not in ("safetensors", "pt") and not (fmt == "mistral" and wrapped):
         return False
     head, embed = f"{model.head_name}.weight", f"{model.embed_path}.weight"
     found: dict[str, torch.Tensor] = {}

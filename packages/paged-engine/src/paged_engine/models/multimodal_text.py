@@ -2,13 +2,17 @@
 
 A VLM wrapper (`*ForConditionalGeneration`) is a vision encoder and projector around a text
 decoder that is, on text-only input, exactly a text `*ForCausalLM` we already build; which
-class serves which wrapper, and what each drops, is models/text_wrappers.py's table.
+class serves which wrapper, and what each drops, is models/text_wrappers.py's table. The
+LLaVA-family and InternVL wrappers (`Wrapper.any_text`) take any text model, as transformers
+(AutoModel from text_config) and vLLM (init_vllm_registered_model) do: the registered class of
+transformers' causal LM for text_config.model_type (`registered_text_arch`), its logits rules
+(Granite's logits_scaling, Cohere's logit_scale, soft caps) its own, as vLLM's language model.
 
 Config (`text_only_config`, called where the loader reads config.json): the wrapper's
 text_config, with `architectures` naming our class and the fields that live at the wrapper's
 top level: `tie_word_embeddings` (transformers 5 ties the wrapper's lm_head by the top-level
-flag, BLIP-2's and Llama 4's nested text model by text_config's, and leaves them untied where
-the checkpoint carries its own head: `wrapper_ties_head`), `quantization_config`,
+flag, BLIP-2's and Llama 4's nested text model by text_config's: `wrapper_ties_head`; a
+checkpoint that contradicts the flag loads as tied_weights.py says), `quantization_config`,
 the dtype, and bos / eos / pad ids the wrapper sets. Per wrapper: Gemma 3's wrapper applies no
 final logit soft-cap (its forward is lm_head alone, unlike Gemma3ForCausalLM), so the copy drops
 `final_logit_softcapping`; Phi-4-multimodal's config is flat (its decoder's fields at the top
@@ -80,8 +84,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import struct
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -101,13 +104,6 @@ _RENAMES = (
     ("language_model.lm_head.", "lm_head."),
     ("model.text_model.", "model."),  # Idefics3 / SmolVLM
 )
-_HEAD_NAMES = (
-    "lm_head.weight",
-    "language_model.lm_head.weight",
-    "llm.lm_head.weight",  # Ovis 2.5
-    "thinker.lm_head.weight",  # Qwen Omni
-    "model.language_model.lm_head.weight",  # HyperCLOVA X Vision V2 (transformers 5, the Hub)
-)
 _TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
@@ -117,10 +113,9 @@ def wrapper_arch(config: Any) -> str | None:
     return next((a for a in archs if a in WRAPPERS), None)
 
 
-def text_only_config(config: Any, checkpoint_dir: Path | None = None) -> Any:
+def text_only_config(config: Any) -> Any:
     """`config` itself unless it is a known VLM wrapper's; then a copy of its text_config set
-    up to build and load our text model (see the module doc). `checkpoint_dir` tells whether
-    the checkpoint carries its own lm_head (safetensors headers only)."""
+    up to build and load our text model (see the module doc)."""
     arch = wrapper_arch(config)
     if arch is None:
         return config
@@ -133,6 +128,8 @@ def text_only_config(config: Any, checkpoint_dir: Path | None = None) -> Any:
     text = config if spec.flat else getattr(config, "text_config", None)
     model_type = getattr(text, "model_type", None)
     target = spec.text_archs.get(model_type) if text is not None else None
+    if target is None and spec.any_text and text is not None:
+        target = registered_text_arch(arch, text)
     if target is None and getattr(text, "is_encoder_decoder", False):  # BLIP-2's Flan-T5
         raise ValueError(
             f"{arch} with a text_config of model_type {model_type!r} (an encoder-decoder "
@@ -158,7 +155,6 @@ def text_only_config(config: Any, checkpoint_dir: Path | None = None) -> Any:
         getattr(config, "tie_word_embeddings", None),
         getattr(text, "tie_word_embeddings", None),
         spec.nested_head,
-        lambda: checkpoint_dir is not None and _has_own_head(checkpoint_dir),
     )
     if getattr(text, "quantization_config", None) is None:
         quant = getattr(config, "quantization_config", None) or getattr(
@@ -218,20 +214,49 @@ def text_only_config(config: Any, checkpoint_dir: Path | None = None) -> Any:
     return text
 
 
-def wrapper_ties_head(
-    top: bool | None, text: bool | None, nested: bool, own_head: Callable[[], bool]
-) -> bool:
+def registered_text_arch(arch: str, text: Any) -> str:
+    """The registered class that serves `text` (a wrapper's text_config) as a causal LM:
+    transformers' causal LM for its model_type (what transformers 4's wrapper built; 5's builds
+    that class's base model, under the same names), else text_config.architectures' (vLLM
+    builds the language model from them). ValueError naming `arch` and the type where paged
+    serves no causal LM for it, or the class keeps its decoder elsewhere than `model.` (the
+    wrapper saves it as `model.language_model.`, renamed to `model.`)."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from paged_engine.models import MODEL_REGISTRY  # late: models/ imports this module
+
+    model_type = getattr(text, "model_type", None)
+    hf_name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    names = [hf_name] if hf_name else []
+    names += [a for a in getattr(text, "architectures", None) or [] if a.endswith("ForCausalLM")]
+    target = next((n for n in names if n in MODEL_REGISTRY and n not in WRAPPERS), None)
+    if target is None:
+        raise ValueError(
+            f"{arch} with a text_config of model_type {model_type!r} is not supported: paged "
+            f"serves no causal LM for it (transformers' class: {hf_name or 'none'})"
+        )
+    prefix = getattr(getattr(transformers, target, None), "base_model_prefix", "model")
+    if prefix != "model":
+        raise ValueError(
+            f"{arch} with a text_config of model_type {model_type!r} is not supported: its "
+            f"{target} keeps its decoder under `{prefix}.`, the wrapper's names map to `model.`"
+        )
+    return target
+
+
+def wrapper_ties_head(top: bool | None, text: bool | None, nested: bool) -> bool:
     """Whether a wrapper's text model ties lm_head to its token embedding, as transformers 5
     loads it. `top` / `text`: tie_word_embeddings of the wrapper's config and of its
     text_config (None: unset). A `nested` wrapper (`Wrapper.nested_head`) holds a whole
     *ForCausalLM that ties by its own config, text_config; any other wrapper's lm_head is its
     own, tied by the top-level flag (text_config's where the config sets none; LLaVA's config
-    class already folds text_config's in). A checkpoint that carries its own head (`own_head`,
-    asked only when the flag says tie) serves it: transformers unties a head that differs
-    from the embedding. Untied with no head in the checkpoint, the load refuses the missing
-    lm_head (transformers would start it random)."""
+    class already folds text_config's in). What the checkpoint then holds decides as for any
+    causal LM (tied_weights.py: a head of other values than the embedding is untied, a head
+    alone becomes the embedding); untied with no head, the load refuses the missing lm_head
+    (transformers would start it random)."""
     flag = text if nested or top is None else top
-    return bool(flag) and not own_head()
+    return bool(flag)
 
 
 def text_model_weights(
@@ -329,25 +354,6 @@ def _mrope_as_default(text: Any) -> None:
             params["rope_type"] = "default"
             params.pop("type", None)
             setattr(text, key, params)
-
-
-def _has_own_head(path: Path) -> bool:
-    """Whether the safetensors checkpoint in `path` holds an lm_head tensor (False when there
-    is none to read: then the config decides)."""
-    from paged_engine.loader import _weight_files, safetensors_header  # (the loader imports us)
-
-    index = path / "model.safetensors.index.json"
-    try:
-        if index.is_file():
-            names: Iterable[str] = json.loads(index.read_text())["weight_map"]
-            return any(n in _HEAD_NAMES for n in names)
-        for file in _weight_files(path, "safetensors"):
-            with open(file, "rb") as f:
-                if any(n in _HEAD_NAMES for n in safetensors_header(f)[0]):
-                    return True
-    except (OSError, ValueError, KeyError, struct.error):
-        return False  # the weight load reports a broken file
-    return False
 
 
 def processor_chat_template(path: Path) -> str | None:

@@ -46,8 +46,8 @@ each is exact).
     InklingForConditionalGeneration      inkling_text           -> InklingForCausalLM
     Inkling2ForConditionalGeneration     inkling2_text          -> Inkling2ForCausalLM
     Inkling2LoopForConditionalGeneration  inkling2_loop_text    -> Inkling2LoopForCausalLM
-    InternVLForConditionalGeneration     qwen2 / qwen3 / llama  -> Qwen2 / Qwen3 / Llama
-                                         qwen3_moe / gpt_oss    -> Qwen3Moe / GptOss
+    InternVLForConditionalGeneration     any (`any_text`)       -> its registered *ForCausalLM
+      (released: qwen2, qwen3, qwen3_moe, llama, gpt_oss)
     InternS1ForConditionalGeneration     qwen3_moe / qwen3      -> Qwen3Moe / Qwen3ForCausalLM
     QianfanOCRForConditionalGeneration   qwen3 / qwen2          -> Qwen3 / Qwen2ForCausalLM
     InternVLChatModel (llm_config)       qwen2 / qwen3 / llama  -> Qwen2 / Qwen3 / Llama
@@ -79,10 +79,9 @@ each is exact).
     Lfm2VlForConditionalGeneration       lfm2                   -> Lfm2ForCausalLM
     Lfm3VlForConditionalGeneration       lfm3                   -> Lfm3ForCausalLM
     Llama4ForConditionalGeneration       llama4_text            -> Llama4ForCausalLM
-    LlavaForConditionalGeneration,       llama / mistral / qwen2 -> Llama / Mistral / Qwen2
-      LlavaNextForConditionalGeneration, qwen3 / gemma / phi3   -> Qwen3 / Gemma / Phi3
-                                         granite                -> GraniteForCausalLM
-      LlavaOnevisionForConditionalGeneration,
+    LlavaForConditionalGeneration,       any (`any_text`)       -> its registered *ForCausalLM
+      LlavaNextForConditionalGeneration, (released: llama, mistral, qwen2, qwen3, gemma,
+      LlavaOnevisionForConditionalGeneration,                     phi3, granite)
       VipLlavaForConditionalGeneration,
       LlavaNextVideoForConditionalGeneration,
       TarsierForConditionalGeneration (Tarsier v1)
@@ -230,11 +229,7 @@ _QWEN3_OMNI_TEXT = {"qwen3_omni_moe_text": "Qwen3MoeForCausalLM"}
 # the same config, keeps only the window: a set window has no one meaning (the Hub's is null)
 _QWEN3_OMNI_REFUSED = ("sliding_window",)
 
-# transformers' LLaVA wrappers build any text model; these are the released backbones
-# (Intel/llava-gemma-*: Gemma, xtuner/llava-phi-3-mini-hf: Phi-3, VARCO-VISION-2.0
-# (OneVision): Qwen3, granite-vision-3.x (NeXT): Granite, whose logits_scaling we keep as
-# vLLM does and transformers 4 did; transformers 5's wrapper head drops it, which moves
-# logprobs, not greedy tokens)
+# BLIP-2's decoder-only text models beside OPT (transformers builds any; these are served)
 _LLAVA_TEXT = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -282,6 +277,11 @@ class Wrapper:
     # Llama 4): text_config's tie_word_embeddings ties its head, the top-level flag is
     # never read (multimodal_text.py's `wrapper_ties_head`)
     nested_head: bool = False
+    # the wrapper builds its text model from text_config whatever its model_type (transformers'
+    # AutoModel, vLLM's init_vllm_registered_model): a type `text_archs` lacks is served by
+    # the registered class of transformers' causal LM for it (multimodal_text.py's
+    # `registered_text_arch`), with that class's own logits rules
+    any_text: bool = False
 
 
 WRAPPERS: dict[str, Wrapper] = {
@@ -443,17 +443,21 @@ WRAPPERS: dict[str, Wrapper] = {
     "Llama4ForConditionalGeneration": Wrapper(
         {"llama4_text": "Llama4ForCausalLM"}, _LLAMA4_VISION, nested_head=True
     ),
-    # LLaVA 1.5 / NeXT, Pixtral-12B's HF form (a Mistral decoder), LLaVA-OneVision-style Qwen2
-    "LlavaForConditionalGeneration": Wrapper(_LLAVA_TEXT, _LLAVA_STYLE),
-    "LlavaNextForConditionalGeneration": Wrapper(_LLAVA_TEXT, _LLAVA_NEXT),
-    "LlavaOnevisionForConditionalGeneration": Wrapper(_LLAVA_TEXT, _LLAVA_NEXT),
+    # LLaVA 1.5 / NeXT, Pixtral-12B's HF form (a Mistral decoder), LLaVA-OneVision-style Qwen2;
+    # released around Llama, Mistral, Qwen2 / 3, Gemma (Intel/llava-gemma-*), Phi-3
+    # (xtuner/llava-phi-3-mini-hf), Granite (granite-vision-3.x: its logits_scaling kept, as
+    # vLLM and transformers 4, whose wrapper held a whole GraniteForCausalLM; transformers 5's
+    # wrapper head drops it, which moves logprobs, not greedy tokens): any text model
+    "LlavaForConditionalGeneration": Wrapper({}, _LLAVA_STYLE, any_text=True),
+    "LlavaNextForConditionalGeneration": Wrapper({}, _LLAVA_NEXT, any_text=True),
+    "LlavaOnevisionForConditionalGeneration": Wrapper({}, _LLAVA_NEXT, any_text=True),
     # Bee-8B: LLaVA-OneVision's names (its projector's pre_norm dropped with it), Qwen3
     "BeeForConditionalGeneration": Wrapper({"qwen3": "Qwen3ForCausalLM"}, _LLAVA_NEXT),
     # ViP-LLaVA (a normed projector), LLaVA-NeXT-Video (its pooler has no weights: average / max)
-    "VipLlavaForConditionalGeneration": Wrapper(_LLAVA_TEXT, _LLAVA_STYLE),
-    "LlavaNextVideoForConditionalGeneration": Wrapper(_LLAVA_TEXT, _LLAVA_NEXT),
+    "VipLlavaForConditionalGeneration": Wrapper({}, _LLAVA_STYLE, any_text=True),
+    "LlavaNextVideoForConditionalGeneration": Wrapper({}, _LLAVA_NEXT, any_text=True),
     # Tarsier v1: LLaVA 1.5's names (its separator rows: multimodal/tarsier.py)
-    "TarsierForConditionalGeneration": Wrapper(_LLAVA_TEXT, _LLAVA_STYLE),
+    "TarsierForConditionalGeneration": Wrapper({}, _LLAVA_STYLE, any_text=True),
     # LLaVA-OneVision-1.5: RICE-ViT under `visual` (images: multimodal/llava_onevision1_5.py),
     # 1-D text positions; transformers 5.25 saves the decoder as `model.model.X`
     "LlavaOnevision15ForConditionalGeneration": Wrapper(
@@ -462,16 +466,9 @@ WRAPPERS: dict[str, Wrapper] = {
     # Idefics3, SmolVLM / SmolVLM2: a Llama decoder under `model.text_model`
     "Idefics3ForConditionalGeneration": Wrapper({"llama": "LlamaForCausalLM"}, _IDEFICS3),
     "SmolVLMForConditionalGeneration": Wrapper({"llama": "LlamaForCausalLM"}, _IDEFICS3),
-    "InternVLForConditionalGeneration": Wrapper(
-        {
-            "qwen2": "Qwen2ForCausalLM",
-            "qwen3": "Qwen3ForCausalLM",
-            "qwen3_moe": "Qwen3MoeForCausalLM",
-            "llama": "LlamaForCausalLM",
-            "gpt_oss": "GptOssForCausalLM",  # InternVL3.5-GPT-OSS-20B-A4B-Preview-HF
-        },
-        _LLAVA_STYLE,
-    ),
+    # InternVL3 / 3.5: released around Qwen2 / 3 (/ MoE), Llama and gpt-oss
+    # (InternVL3_5-GPT-OSS-20B-A4B-Preview-HF): any text model
+    "InternVLForConditionalGeneration": Wrapper({}, _LLAVA_STYLE, any_text=True),
     # Intern-S1 / Intern-S1-mini (config: models/hub_vlm_configs.py): InternVL's model and names
     "InternS1ForConditionalGeneration": Wrapper(
         {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen3": "Qwen3ForCausalLM"}, _LLAVA_STYLE

@@ -2,9 +2,11 @@
 decoder layers and holds KV caches for its attention layers and recurrent state for its linear
 layers only, and greedy tokens and logprobs equal the single-process engine's: Jamba through
 prefill chunks over several steps, preemption by recompute and prefix-cache state snapshots;
-Granite 4.0-H, Nemotron-H, Qwen3-Next and Bamba on plain requests. Hybrids not verified, and a
-split that leaves a stage without an attention layer, are refused by name before any rank
-starts."""
+the other families of HybridModel's forward (Granite 4.0-H, Nemotron-H, Qwen3-Next, Qwen3.5,
+Bamba, Falcon-H1, LFM2 / LFM2-MoE / LFM3, Kimi Linear, MiniMax-01 under both config dialects,
+PLaMo 2, OLMo Hybrid, Ling 2.5, Inkling, RecurrentGemma, Lara-Mini) on plain requests. Hybrids
+with a forward of their own, pure state-space models, and a split that leaves a stage without
+an attention layer, are refused by name before any rank starts."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from paged_engine.worker.recurrent_state import state_layers, states_depend_on_p
 
 pytest.importorskip("transformers")
 
+_ALTERNATING = ["linear_attention", "full_attention"] * 2
 # Each tiny config puts an attention layer in each half of its stack, so both stages cache KV.
 FAMILIES = {
     # attention at 1 and 3, Mamba (v1) at 0 and 2, a MoE feed-forward at 1 and 3
@@ -34,15 +37,40 @@ FAMILIES = {
         "num_hidden_layers": 4,
         "layers_block_type": ["mamba", "attention", "mlp", "attention"],
     },
-    "qwen3_next": {
-        "layer_types": [
-            "linear_attention",
-            "full_attention",
-            "linear_attention",
-            "full_attention",
-        ]
-    },
+    "qwen3_next": {"layer_types": _ALTERNATING},
     "bamba": {"attn_layer_indices": [1, 3]},
+    # every layer attention beside a Mamba2 mixer; muP multipliers on the embedding (stage 0)
+    # and the logits (the last stage)
+    "falcon_h1": {"num_hidden_layers": 4},
+    "lfm2": {"layer_types": ["conv", "full_attention", "conv", "full_attention"]},
+    "lfm2_moe": {"layer_types": ["conv", "full_attention", "conv", "full_attention"]},
+    # a sliding layer in the first half, a full one (a rope of its own) in the second
+    "lfm3": {"layer_types": ["conv", "sliding_attention", "conv", "full_attention"]},
+    "kimi_linear": {
+        "linear_attn_config": {
+            "kda_layers": [1, 3],
+            "full_attn_layers": [2, 4],
+            "num_heads": 4,
+            "head_dim": 16,
+            "short_conv_kernel_size": 4,
+        }
+    },
+    "minimax": {"layer_types": _ALTERNATING},
+    "olmo_hybrid": {"layer_types": _ALTERNATING},
+    "bailing_hybrid": {},  # KDA / MLA alternating already
+    "qwen3_5": {"layer_types": _ALTERNATING},
+    "qwen3_5_moe": {"layer_types": _ALTERNATING},
+    "inkling": {},  # 3 layers, every one attention and a short conv
+    "recurrent_gemma": {"block_types": ["recurrent", "attention"]},
+    "lara_mini": {},  # 5 layers: [0, 3) and [3, 5), the second stage without a state layer
+}
+# (each rank's built layers, each rank's (KV caches, state layers)) where not [[0, 1], [2, 3]]
+# and one of each a stage
+STAGES = {
+    "nemotron_h": ([[0, 1], [2, 3]], [(1, 1), (1, 0)]),  # layer 2 an MLP: no state there
+    "falcon_h1": ([[0, 1], [2, 3]], [(2, 2), (2, 2)]),
+    "inkling": ([[0, 1], [2]], [(2, 8), (1, 4)]),  # four short convs a layer
+    "lara_mini": ([[0, 1, 2], [3, 4]], [(1, 2), (2, 0)]),
 }
 
 
@@ -141,18 +169,46 @@ def test_jamba_pp2_with_chunks_preemption_and_snapshots_matches_one_process(tmp_
     assert one.num_preemptions > 0
 
 
+# Families whose checkpoints come with remote code: (path, LLM options) of a tiny one.
+def _remote_family(tmp_path, family: str):
+    if family == "plamo2":  # the reference's writer: attention at 1 and 3
+        from test_models_plamo2 import CONFIG, _write
+
+        _write(tmp_path, CONFIG, 3)
+        return tmp_path, {}
+    # MiniMax-01 / M1 release configs (attn_type_list, layernorm_* factors): the same model
+    from test_models_minimax import _RELEASE_CONFIG, _release_copy
+
+    src = write_tiny_model(tmp_path / "hf", "minimax", seed=3, **FAMILIES["minimax"])
+    name = {"minimax_text_01": "MiniMaxText01", "minimax_m1": "MiniMaxM1"}[family]
+    source = _RELEASE_CONFIG.replace("MiniMaxText01", name).replace("minimax_text_01", family)
+    path = _release_copy(
+        src,
+        tmp_path / "release",
+        architectures=[f"{name}ForCausalLM"],
+        model_type=family,
+        auto_map={"AutoConfig": f"configuration_{family}.{name}Config"},
+    )
+    (path / f"configuration_{family}.py").write_text(source)
+    return path, {"trust_remote_code": True}
+
+
+REMOTE_FAMILIES = ["plamo2", "minimax_text_01", "minimax_m1"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["granitemoehybrid", "nemotron_h", "qwen3_next", "bamba"])
+@pytest.mark.parametrize("family", [*sorted(set(FAMILIES) - {"jamba"}), *REMOTE_FAMILIES])
 def test_hybrid_family_pp2_matches_one_process(tmp_path, family):
-    path = write_tiny_model(tmp_path, family, seed=3, **FAMILIES[family])
+    if family in REMOTE_FAMILIES:
+        path, options = _remote_family(tmp_path, family)
+    else:
+        path, options = write_tiny_model(tmp_path, family, seed=3, **FAMILIES[family]), {}
     rng = random.Random(1)
     prompts = [[rng.randrange(3, 200) for _ in range(rng.randint(3, 40))] for _ in range(3)]
-    want, _, _ = _run(path, prompts)
-    got, _, (built, counts) = _run(path, prompts, pipeline_parallel_size=2)
+    want, _, _ = _run(path, prompts, **options)
+    got, _, (built, counts) = _run(path, prompts, pipeline_parallel_size=2, **options)
     _assert_same(got, want)
-    assert built == [[0, 1], [2, 3]]
-    # nemotron_h's layer 2 is an MLP: no state there
-    assert counts == [(1, 1), (1, 0 if family == "nemotron_h" else 1)]
+    assert (built, counts) == STAGES.get(family, ([[0, 1], [2, 3]], [(1, 1), (1, 1)]))
 
 
 def _no_ranks(*args, **kwargs):
@@ -163,12 +219,18 @@ def _no_ranks(*args, **kwargs):
     ("arch", "overrides", "message"),
     [
         (
-            "falcon_h1",
+            "zamba2",
             {},
-            r"pipeline_parallel_size > 1 is not supported for FalconH1ForCausalLM \(model_type "
-            r"'falcon_h1'\): of the models with a recurrent state, pipeline stages serve bamba, ",
+            r"pipeline_parallel_size > 1 is not supported for Zamba2ForCausalLM \(model_type "
+            r"'zamba2'\): of the models with a recurrent state, pipeline stages serve "
+            r"bailing_hybrid, bamba, ",
         ),
+        # stacks with a forward of their own (models/hybrid.py says what crosses a stage)
+        ("zamba", {}, r"not supported for ZambaForCausalLM \(model_type 'zamba'\)"),
+        ("zaya", {}, r"not supported for ZayaForCausalLM \(model_type 'zaya'\)"),
+        ("qwen4_exp", {}, r"not supported for Qwen4ExpForCausalLM \(model_type 'qwen4_exp_text'\)"),
         ("mamba", {}, r"not supported for MambaForCausalLM \(model_type 'mamba'\)"),
+        ("mamba2", {}, r"not supported for Mamba2ForCausalLM \(model_type 'mamba2'\)"),
         # the tiny Jamba's one attention layer (1 of 4): the second stage would cache nothing
         (
             "jamba",

@@ -319,7 +319,6 @@ def test_tensor_parallel_matches_one_process(name, hybrid_dirs):
         ("batch_invariant", True),
         ("cpu_offload_gib", 1),
         ("preemption_mode", "swap"),
-        ("pipeline_parallel_size", 2),
         ("compilation_config", 3),
     ],
 )
@@ -329,6 +328,18 @@ def test_unsupported_options_are_refused(option, value, hybrid_dirs):
         kw["swap_space"] = 1
     with pytest.raises(ValueError, match=option):
         LLM(model=str(hybrid_dirs("qwen3_5")), dtype="float32", max_model_len=128, **kw)
+
+
+def test_pipeline_stages_without_an_attention_layer_are_refused(hybrid_dirs):
+    # Qwen3.5 runs in pipeline stages (tests/distributed/test_hybrid_pp.py), but this tiny one's
+    # only attention layer (2 of 4) leaves the first stage none to cache KV for
+    with pytest.raises(ValueError, match=r"stage 0 holds decoder layers \[0, 2\) of Qwen3_5"):
+        LLM(
+            model=str(hybrid_dirs("qwen3_5")),
+            dtype="float32",
+            max_model_len=128,
+            pipeline_parallel_size=2,
+        )
 
 
 def test_ssm_cache_dtype(hybrid_dirs, tmp_path):

@@ -73,8 +73,41 @@ def num_kv_layers(config) -> int:
 
 # Model types served at pipeline_parallel_size > 1: stacks of HybridModel's own forward whose
 # stages give the single-process engine's tokens (tests/distributed/test_hybrid_pp.py); other
-# hybrids are refused by name (worker/recurrent_state.py: hybrid_engine_config).
-PIPELINE_MODEL_TYPES = frozenset({"jamba", "granitemoehybrid", "nemotron_h", "qwen3_next", "bamba"})
+# hybrids are refused by name (worker/recurrent_state.py: hybrid_engine_config). What the
+# others would carry across a stage boundary besides the [T, hidden_size] hidden states:
+#   GLM-5-Next: hc_mult residual streams, and the last full indexer's choice its shared
+#     layers reuse; Qwen4-Exp: hc_count residual streams, and two KV entries an indexed layer;
+#   Zamba / Zamba2: the token embeddings every hybrid layer reads, and a shared block named
+#     and loaded under the first layer running it (a later stage does not build it);
+#   ZAYA: the previous layer's router state, and a float32 residual stream;
+#   Inkling 2: every earlier layer's output (block residuals), and looped passes' KV entries;
+#   Mamba / Mamba2 / Falcon Mamba (pure state space, models/mamba.py's stack): no layer caches
+#     KV, so every stage would be one without attention, which _check_pipeline refuses.
+PIPELINE_MODEL_TYPES = frozenset(
+    {
+        "jamba",
+        "granitemoehybrid",
+        "nemotron_h",
+        "qwen3_next",
+        "qwen3_5_text",
+        "qwen3_5_moe_text",
+        "bamba",
+        "falcon_h1",
+        "lfm2",
+        "lfm2_moe",
+        "lfm3",
+        "kimi_linear",
+        "minimax",
+        "minimax_text_01",
+        "minimax_m1",
+        "plamo2",
+        "olmo_hybrid",
+        "bailing_hybrid",
+        "inkling_text",
+        "recurrent_gemma",
+        "lara_mini",
+    }
+)
 
 
 def stage_kv_range(config, start: int, end: int) -> tuple[int, int]:

@@ -2,19 +2,28 @@
 drafts come from the host's tokens and the last stage verifies them; the first stage takes each
 drafted row's last emitted token as its next input. Outputs equal the single-process engine's
 with the same speculative_config (greedy and seeded tokens, logprobs within 1e-4), and the
-greedy ones equal the engine's without speculation; two micro-batches run at once. Methods that
-propose on the worker (a draft model, a head, an MTP layer) are refused by name, and so are
-models with recurrent state (only the last stage learns which drafts to undo)."""
+greedy ones equal the engine's without speculation; two micro-batches run at once.
+Worker-side proposers (a draft model, an EAGLE-1 head, an MTP layer) run on the last stage,
+which sends each step's drafts to the first stage before the forward: greedy outputs equal one
+process's (sampled ones too with greedy drafts), drafts accepted. EAGLE-3 and the other heads
+are refused by name (as vLLM's model runner), and so are models with recurrent state (only the
+last stage learns which drafts to undo)."""
 
 from __future__ import annotations
 
 import random
 
 import pytest
+import torch
 
 from paged_engine import LLM, SamplingParams
 from paged_engine.structured_output.params import StructuredOutputsParams
-from paged_engine.testing import write_tiny_model
+from paged_engine.testing import (
+    write_tiny_eagle3_head,
+    write_tiny_eagle_head,
+    write_tiny_model,
+    write_tiny_mtp_target,
+)
 
 pytest.importorskip("transformers")
 
@@ -121,20 +130,92 @@ def test_pipeline_speculation_matches_one_process(setup, method):
     _assert_same(staged, plain, greedy)
 
 
+def _agree(path, proj: str | None = None) -> None:
+    """Zero every attention and MLP output and set the norms to 1 (test_spec_mtp_more.py's
+    agreeing layer): a target's next token is then a function of its current one, which a
+    head that reads only the embedding (`proj` [I | 0], no bias) predicts."""
+    from safetensors.torch import load_file, save_file
+
+    w = load_file(path / "model.safetensors")
+    for name in list(w):
+        bias = proj is not None and name == proj.removesuffix(".weight") + ".bias"
+        if "o_proj" in name or "down_proj" in name or bias:
+            w[name] = torch.zeros_like(w[name])
+        elif "norm" in name and "q_a_" not in name and "kv_a_" not in name:
+            w[name] = torch.ones_like(w[name])
+    if proj is not None:
+        d = w[proj].shape[0]
+        w[proj] = torch.cat([torch.eye(d), torch.zeros(d, d)], 1)
+    save_file(w, path / "model.safetensors", metadata={"format": "pt"})
+
+
+def _worker_pair(root, method: str) -> tuple[object, dict]:
+    """(target, speculative_config) of a worker-side proposer: the target as its own draft
+    model; an EAGLE-1 head and DeepSeek-V3's MTP layer built to agree with their target
+    (`_agree`), so drafts are accepted."""
+    if method == "mtp":
+        target = write_tiny_mtp_target(root / "mtp", own_embed=False, own_head=False)
+        _agree(target, "model.layers.3.eh_proj.weight")
+        return target, {"method": "mtp", "num_speculative_tokens": 2}
+    target = write_tiny_model(root / "target", "llama", seed=4)
+    if method == "draft_model":
+        return target, {"model": str(target), "num_speculative_tokens": 3}
+    _agree(target)
+    head = write_tiny_eagle_head(root / "head", target, seed=1)
+    _agree(head, "fc.weight")
+    return target, {"method": "eagle", "model": str(head), "num_speculative_tokens": 2}
+
+
+@pytest.mark.parametrize(
+    ("method", "drafts"),
+    [("draft_model", "probabilistic"), ("draft_model", "greedy"), ("eagle", "greedy"),
+     ("mtp", "greedy")],
+)  # fmt: skip
+def test_worker_proposers_on_the_last_stage_match_one_process(tmp_path, method, drafts):
+    # The last stage proposes before each step's forward and the first stage embeds its drafts.
+    # Sampled drafts (q) make a sampled row's tokens depend on which steps drafted, and
+    # micro-batches schedule other steps than one process: then only greedy rows compare.
+    target, spec = _worker_pair(tmp_path, method)
+    spec = {**spec, "draft_sample_method": drafts}
+    requests = _requests()
+    one, one_stats, _ = _run(target, requests, speculative_config=spec)
+    staged, stats, depth = _run(target, requests, pipeline_parallel_size=2, speculative_config=spec)
+    assert one_stats.spec_decode_num_accepted_tokens > 0
+    assert stats.spec_decode_num_accepted_tokens > 0
+    assert depth == 2
+    assert stats.num_preemptions > 0
+    greedy = [i for i, (_, sp) in enumerate(requests) if sp.temperature == 0]
+    _assert_same(staged, one, greedy if drafts == "probabilistic" else range(len(requests)))
+
+
 @pytest.mark.parametrize(
     "spec",
     [
-        {"method": "mtp", "num_speculative_tokens": 1},
-        {"model": "some/draft", "num_speculative_tokens": 2},
         {"method": "eagle3", "model": "some/head", "num_speculative_tokens": 2},
+        {"method": "medusa", "model": "some/heads", "num_speculative_tokens": 2},
+        {"method": "mlp_speculator", "model": "some/speculator", "num_speculative_tokens": 2},
+        {"method": "gemma4_assistant", "model": "some/assistant", "num_speculative_tokens": 2},
     ],
-    ids=["mtp", "draft_model", "eagle3"],
+    ids=lambda spec: spec["method"],
 )
-def test_pipeline_parallelism_refuses_worker_proposers_by_name(setup, spec):
+def test_pipeline_parallelism_refuses_other_worker_proposers_by_name(setup, spec):
+    # vLLM's model runner V2 (the one that drafts under pipeline stages) refuses EAGLE-3 there
+    # (it reads layers of every stage) and has no path for the other heads
     model = setup[0]
-    method = spec.get("method", "draft_model")
-    with pytest.raises(ValueError, match=rf"method '{method}' .* pipeline_parallel_size > 1"):
+    with pytest.raises(ValueError, match=rf"method '{spec['method']}' .* pipeline_parallel_size"):
         LLM(str(model), pipeline_parallel_size=2, speculative_config=spec)
+
+
+def test_an_eagle3_head_told_by_its_checkpoint_is_refused(setup, tmp_path):
+    # no method given: the head's config says EAGLE-3 (draft_loader), refused then
+    model = setup[0]
+    head = write_tiny_eagle3_head(tmp_path / "head", model)
+    with pytest.raises(ValueError, match=r"method 'eagle3' .* pipeline_parallel_size"):
+        LLM(
+            str(model),
+            pipeline_parallel_size=2,
+            speculative_config={"model": str(head), "num_speculative_tokens": 2},
+        )
 
 
 def test_pipeline_speculation_refuses_models_with_recurrent_state(tmp_path):

@@ -320,13 +320,13 @@ def test_pooling_over_chunked_prompts_matches_one_process(model):
 
 
 def test_pipeline_parallelism_refuses_speculation_by_name(model):
-    # (LoRA adapters run under pipeline stages: test_lora_pp.py; n-gram and suffix
-    # speculation too: test_spec_pp.py)
-    with pytest.raises(ValueError, match=r"speculative_config .*'mtp'.* pipeline_parallel"):
+    # (LoRA adapters run under pipeline stages: test_lora_pp.py; n-gram, suffix, draft
+    # model, EAGLE-1 and MTP speculation too: test_spec_pp.py)
+    with pytest.raises(ValueError, match=r"speculative_config .*'eagle3'.* pipeline_parallel"):
         LLM(
             str(model),
             pipeline_parallel_size=2,
-            speculative_config={"method": "mtp", "num_speculative_tokens": 1},
+            speculative_config={"method": "eagle3", "model": "some/head"},
         )
 
 

@@ -413,13 +413,7 @@ class EngineConfig:
                     f"speculative_config.draft_tensor_parallel_size="
                     f"{spec.draft_tensor_parallel_size} must be 1 or tensor_parallel_size={tp}"
                 )
-            if self.pipeline_parallel_size > 1 and spec.uses_draft_model:
-                # n-gram / suffix drafts come from the host's tokens and the last stage
-                # verifies them; a proposer on the worker would need the last stage's features
-                raise ValueError(
-                    f"speculative_config method {spec.method!r} is not supported with "
-                    "pipeline_parallel_size > 1: only 'ngram' and 'suffix' (no draft model) are"
-                )
+            spec.check_pipeline(self.pipeline_parallel_size)
         _check(
             self.model_impl in ("auto", "vllm", "transformers"),
             "model_impl",

@@ -18,9 +18,12 @@ a world of 1, so layers built without a world are plain unsharded layers.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -125,6 +128,23 @@ def init_parallel_state(
         pp_size,
     )
     return _state
+
+
+@contextmanager
+def single_stage() -> Iterator[None]:
+    """While open, the getters answer as this TP rank of one pipeline stage: a model built
+    then (a speculative proposer, which the last stage runs whole) builds, loads and caches
+    every layer. The process groups stay the same."""
+    global _state
+    saved = _state
+    if saved.pp_size > 1:
+        _state = dataclasses.replace(
+            saved, rank=saved.tp_rank, world_size=saved.tp_size, pp_size=1, pp_group=None
+        )
+    try:
+        yield
+    finally:
+        _state = saved
 
 
 def check_not_in_world() -> None:

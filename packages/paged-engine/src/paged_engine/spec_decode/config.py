@@ -68,6 +68,11 @@ METHODS = (
     "medusa",
 )
 _WITH_MODEL = ("draft_model", "eagle", "eagle3", "gemma4_assistant", "mlp_speculator", "medusa")
+# Methods that run under pipeline parallelism: the host's n-gram / suffix drafts, and proposers
+# the last stage runs whole (it holds the target's final hidden states). As vLLM's model runner
+# V2: EAGLE-3 refused there (it reads layers of every stage), Medusa, the MLP speculator and
+# Gemma 4's assistant not run (V2 has no path for them; it has none for a draft model either).
+PIPELINE_METHODS = ("ngram", "suffix", "draft_model", "eagle", "mtp")
 # vLLM's per-family MTP method names (model cards name them: Qwen3.5's "qwen3_next_mtp"), which
 # vLLM rewrites to "mtp" as here; check_mtp then says whether paged runs that target's layer
 MTP_ALIASES = (
@@ -128,6 +133,14 @@ class SpeculativeConfig:
     def uses_draft_model(self) -> bool:
         """A model proposes on the worker (a draft model, an EAGLE-3 head, an MTP layer)."""
         return self.method in (*_WITH_MODEL, "mtp")
+
+    def check_pipeline(self, pipeline_parallel_size: int) -> None:
+        """Raise ValueError, naming the method, unless it runs with these pipeline stages."""
+        if pipeline_parallel_size > 1 and self.method not in PIPELINE_METHODS:
+            raise ValueError(
+                f"speculative_config method {self.method!r} is not supported with "
+                f"pipeline_parallel_size > 1; methods that are: {', '.join(PIPELINE_METHODS)}"
+            )
 
     @property
     def is_suffix(self) -> bool:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from paged_engine.distributed.parallel_state import single_stage
 from paged_engine.loader import (
     ResolvedModel,
     load_hf_config,
@@ -34,6 +35,7 @@ from paged_engine.spec_decode.head_loader import (
 )
 
 if TYPE_CHECKING:
+    from paged_engine.spec_decode.config import SpeculativeConfig
     from paged_engine.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -81,6 +83,7 @@ def resolve_speculative_config(config, target_hf_config, target_tokenizer) -> No
         if method is not None:
             config.speculative_config = {**given, "method": method}
             spec = SpeculativeConfig.from_dict(config.speculative_config)
+            spec.check_pipeline(config.pipeline_parallel_size)  # a head told by its checkpoint
     if spec.is_mtp:
         check_mtp(target_hf_config)
     if spec.num_speculative_tokens == 0:  # left to the model's config
@@ -199,7 +202,6 @@ def attach_draft_model(
     target (same dtype, device, load format, and `quantization`: the target's as the worker
     resolved it), as `runner.draft`."""
     from paged_engine.spec_decode.config import SpeculativeConfig
-    from paged_engine.spec_decode.draft_model import DraftModelRunner
 
     config = runner.config
     if config.speculative_config is None:
@@ -207,6 +209,18 @@ def attach_draft_model(
     spec = SpeculativeConfig.from_dict(config.speculative_config)
     if not spec.uses_draft_model:
         return
+    if not runner.parallel.is_last_stage:  # the last stage proposes: it has the features
+        return
+    with single_stage():  # the proposer is whole there: every layer built and loaded
+        _attach(runner, quantization, resolved, spec)
+
+
+def _attach(
+    runner: ModelRunner, quantization: str | None, resolved: ResolvedModel, spec: SpeculativeConfig
+) -> None:
+    from paged_engine.spec_decode.draft_model import DraftModelRunner
+
+    config = runner.config
     if spec.is_mtp:
         attach_mtp_head(runner, resolved, quantization)
         return

@@ -45,6 +45,7 @@ import torch
 from torch import Tensor
 
 from paged_engine.attention import AttentionMetadata, HostLengths
+from paged_engine.distributed.parallel_state import single_stage
 from paged_engine.spec_decode.config import SpeculativeConfig
 from paged_engine.worker.cache_engine import CacheEngine
 
@@ -79,6 +80,42 @@ def store_draft(
     return probs
 
 
+def write_drafts(runner: ModelRunner, inputs: StepInputs, dst: np.ndarray, drafts: Tensor) -> None:
+    """Put `drafts` into the step's input ids at rows `dst` (their DRAFT_PLACEHOLDER slots)."""
+    dst_d = runner._to_dev(dst)
+    inputs.input_ids.index_copy_(0, dst_d, drafts)
+    if inputs.embeds is not None:
+        # A step that runs image rows carries its embeddings, made in `prepare` before the
+        # drafts existed (their slots held DRAFT_PLACEHOLDER): the target must read the
+        # drafts' own embeddings there.
+        assert runner.images is not None
+        embed = runner.images.embed_tokens
+        rows = embed(drafts).to(inputs.embeds)
+        if getattr(runner.images.audio_encoder, "adds_to_tokens", False):
+            # Voxtral Realtime adds audio rows at generated positions too: keep them
+            # (the slot holds embed(0) + audio, from the clamped placeholder)
+            old = inputs.embeds.index_select(0, dst_d)
+            rows = old - embed(torch.zeros_like(drafts)).to(old) + rows
+        inputs.embeds.index_copy_(0, dst_d, rows)
+
+
+def write_stage_drafts(
+    runner: ModelRunner, sched: SchedulerOutput, inputs: StepInputs, drafts: dict[int, list[int]]
+) -> None:
+    """The first pipeline stage's share of a proposal the last stage made (`tokens` of its
+    `DraftProposal`): each drafting row's drafts at the end of its tokens."""
+    dst, flat = [], []
+    for i, seq_id in enumerate(sched.seq_ids):
+        d = drafts.get(seq_id)
+        if d:
+            end = int(inputs.cu[i + 1])
+            dst.append(np.arange(end - len(d), end, dtype=np.int64))
+            flat.extend(d)
+    if flat:
+        tokens = torch.tensor(flat, dtype=torch.int64).to(runner.device)
+        write_drafts(runner, inputs, np.concatenate(dst), tokens)
+
+
 class DraftModelRunner:
     # Whether the proposer reads the target's features (spec_decode/eagle.py's heads): their
     # forward then runs uncompiled on CPU.
@@ -100,20 +137,22 @@ class DraftModelRunner:
 
     # ---- cache ----------------------------------------------------------------------------------
     def bytes_per_block(self, block_size: int) -> int:
-        return CacheEngine.bytes_per_block(self.hf_config, block_size, self.dtype)
+        with single_stage():  # every layer: the last pipeline stage runs the draft whole
+            return CacheEngine.bytes_per_block(self.hf_config, block_size, self.dtype)
 
     def init_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
         """Same block count (and CPU pool) as the target's cache, in the draft's dtype."""
         r = self.runner
-        self.cache = CacheEngine(
-            self.hf_config,
-            num_blocks,
-            r.block_size,
-            dtype=self.dtype,
-            device=r.device,
-            backend=r.backend,
-            num_cpu_blocks=num_cpu_blocks,
-        )
+        with single_stage():
+            self.cache = CacheEngine(
+                self.hf_config,
+                num_blocks,
+                r.block_size,
+                dtype=self.dtype,
+                device=r.device,
+                backend=r.backend,
+                num_cpu_blocks=num_cpu_blocks,
+            )
 
     # ---- one step -------------------------------------------------------------------------------
     def propose(
@@ -215,21 +254,7 @@ class DraftModelRunner:
         dst = np.concatenate(
             [inputs.cu[i] + base[i] + np.arange(d) for i, d in zip(drafting.tolist(), nd.tolist())]
         )
-        dst_d = r._to_dev(dst)
-        inputs.input_ids.index_copy_(0, dst_d, drafts)
-        if inputs.embeds is not None:
-            # A step that runs image rows carries its embeddings, made in `prepare` before the
-            # drafts existed (their slots held DRAFT_PLACEHOLDER): the target must read the
-            # drafts' own embeddings there.
-            assert r.images is not None
-            embed = r.images.embed_tokens
-            rows = embed(drafts).to(inputs.embeds)
-            if getattr(r.images.audio_encoder, "adds_to_tokens", False):
-                # Voxtral Realtime adds audio rows at generated positions too: keep them
-                # (the slot holds embed(0) + audio, from the clamped placeholder)
-                old = inputs.embeds.index_select(0, dst_d)
-                rows = old - embed(torch.zeros_like(drafts)).to(old) + rows
-            inputs.embeds.index_copy_(0, dst_d, rows)
+        write_drafts(r, inputs, dst, drafts)
         host = drafts.tolist()
         out: dict[int, list[int]] = {}
         offsets: dict[int, int] = {}

@@ -11,6 +11,11 @@ FIFO), or, on a rank the core does not read, before a step that needs it:
     pending: | received by rank 0 (ranks > 0 lag) | in flight at the core (< pp_size) |
              oldest                                                              newest
 
+A worker-side proposer (a draft model, an EAGLE-1 head, an MTP layer) runs on the last stage,
+which holds the target's features; it sends a step's drafts before that step's forward, and the
+first stage writes them into its input ids (`receive_drafts`). Such a step waits for every older
+step's output: its drafts come after them.
+
 Invariants: receives happen in submission order (the last stage sends in that order, one pair
 of ranks, one FIFO); a step's sequences are written by sequence id at receive time, so a row
 freed or reused meanwhile (an abort, a preemption) is skipped, never overwritten.
@@ -102,6 +107,13 @@ class StageOutputs:
             self.receive_through(last)
         while len(pending) > self.pp_size - 1:
             self._receive_oldest()
+
+    def receive_drafts(self) -> dict[int, list[int]]:
+        """The drafts the last stage proposed for the step about to run (a worker-side
+        proposer's, seq id -> drafts). The last stage sends them before that step's forward and
+        after every older step's output, so those outputs are received first."""
+        self.drain()
+        return recv_object(self.src_rank)
 
     def receive_through(self, handle: PendingStageOutput) -> None:
         while handle.result is None:

@@ -9,6 +9,8 @@
 compiled forward, or eager (cross-attention, image features, prompt_embeds rows, M-RoPE /
 two-way image rows). Under pipeline parallelism each stage runs its share (`_execute_stage`):
 hidden states pass from stage to stage, and the last stage's sampled ids go back to the first.
+A worker-side proposer runs on the last stage, whose drafts go to the first stage before the
+step's forward (worker/stage_outputs.py).
 
 `StepExecution` is a mixin of `ModelRunner` (worker/model_runner.py). vLLM v1:
 `GPUModelRunner.execute_model` (`_update_states`, the forward, the pipeline hand-off).
@@ -30,6 +32,8 @@ from paged_engine.distributed.communication import (
     send_tensor_async,
 )
 from paged_engine.models.llama import LayerAdditions
+from paged_engine.spec_decode.draft_model import write_stage_drafts
+from paged_engine.spec_decode.planner import DRAFT_PLACEHOLDER
 from paged_engine.worker.cross_attention import bound
 from paged_engine.worker.image_embeds import spliced_lookup
 from paged_engine.worker.input_batch import CachedSeq
@@ -197,6 +201,15 @@ class StepExecution:
         stages return an empty output."""
         assert self.cache is not None
         state = self.parallel
+        draft = self.draft  # a worker-side proposer: held by the last stage only
+        proposal = None
+        if draft is not None:  # before the forward: the first stage waits for these drafts
+            proposal = draft.propose(sched, cached, inputs)
+            if _proposes(sched):
+                send_object_async(proposal.tokens, state.stage_rank(0))
+        elif state.is_first_stage and _proposes(sched):
+            assert self.stage_outputs is not None
+            write_stage_drafts(self, sched, inputs, self.stage_outputs.receive_drafts())
         hidden_in = inputs.embeds  # the first stage's input embeddings when images run
         if not state.is_first_stage:
             shape = (inputs.input_ids.shape[0], self.stage_width)
@@ -215,8 +228,10 @@ class StepExecution:
                 hidden_in,
             )
         if state.is_last_stage:
-            out = self._sample(sched, cached, inputs, hidden)
+            out = self._sample(sched, cached, inputs, hidden, proposal)
             send_object_async(out.get(), state.stage_rank(0))
+            if draft is not None:
+                draft.after_step(sched, inputs, hidden)  # a head keeps the forward's features
             return out
         send_tensor_async(hidden, state.stage_rank(state.pp_rank + 1))
         if not state.is_first_stage:
@@ -258,6 +273,11 @@ class StepExecution:
         if self.compiled is not None:
             return self.compiled.compute_logits(hidden)
         return self.model.compute_logits(hidden)
+
+
+def _proposes(sched: SchedulerOutput) -> bool:
+    """Whether the step's drafts are a worker-side proposer's (placeholders until it runs)."""
+    return any(d and d[0] == DRAFT_PLACEHOLDER for d in sched.spec_token_ids.values())
 
 
 def _model_dtype(model: torch.nn.Module) -> torch.dtype:

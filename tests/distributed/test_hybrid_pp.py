@@ -13,16 +13,14 @@ from __future__ import annotations
 import random
 
 import pytest
+from test_pp_layer_partition import _stage_kv_layers
 from test_world_sizes import _assert_same, _built_layers
 from torch import nn
 
 from paged_engine import LLM, SamplingParams
-from paged_engine.distributed import parallel_state
-from paged_engine.distributed.parallel_state import ParallelState
 from paged_engine.engine import llm_engine
 from paged_engine.models.utils import PPMissingLayer
 from paged_engine.testing import tiny_config, write_tiny_model
-from paged_engine.worker.cache_engine import kv_layers
 from paged_engine.worker.recurrent_state import state_layers, states_depend_on_prompt
 
 pytest.importorskip("transformers")
@@ -72,17 +70,6 @@ STAGES = {
     "inkling": ([[0, 1], [2]], [(2, 8), (1, 4)]),  # four short convs a layer
     "lara_mini": ([[0, 1, 2], [3, 4]], [(1, 2), (2, 0)]),
 }
-
-
-def _stage_kv_layers(monkeypatch, hf_config, pp_size: int) -> list[int]:
-    """How many KV cache entries each stage's rank allocates (TP 1)."""
-    counts = []
-    for rank in range(pp_size):
-        state = ParallelState(rank, pp_size, 1, pp_size, None, None, None)
-        monkeypatch.setattr(parallel_state, "_state", state)
-        counts.append(len(kv_layers(hf_config)))
-    monkeypatch.setattr(parallel_state, "_state", parallel_state._SINGLE)
-    return counts
 
 
 def test_a_stage_caches_kv_for_its_attention_layers_only(monkeypatch):

@@ -23,7 +23,10 @@ its logits / logits_scaling. LLaVA-family and InternVL wrappers around any other
 transformers and vLLM build from text_config (OLMo 2, Cohere 2, GraniteMoE, Qwen2-MoE,
 StableLM) were refused the same way; each now serves as its registered class, its logits rules
 kept (GraniteMoE's division, Cohere 2's logit_scale), and a type paged serves as no causal LM
-(or whose decoder is not under `model.`) is refused by name.
+(or whose decoder is not under `model.`) is refused by name. Mistral 3, LightOnOCR and LFM2-VL
+around Llama, Command A Vision and Voxtral around Qwen2, BLIP-2 around OLMo 2 (wrappers
+transformers and vLLM build from any text_config) were refused by their fixed tables the same
+way.
 """
 
 from __future__ import annotations
@@ -156,6 +159,44 @@ def _mistral3(arch: str, text: dict, **top: Any) -> tuple[type, Any]:
         text_config=_text(arch, **text), vision_config=vision, image_token_index=511, **top
     )
     return transformers.Mistral3ForConditionalGeneration, config
+
+
+def _lfm2_vl(arch: str, text: dict, **top: Any) -> tuple[type, Any]:
+    vision = {**_VISION, "model_type": "siglip2_vision_model"}
+    del vision["image_size"]
+    config = transformers.Lfm2VlConfig(
+        text_config=_text(arch, **text), vision_config=vision, image_token_id=500, **top
+    )
+    return transformers.Lfm2VlForConditionalGeneration, config
+
+
+def _lighton_ocr(arch: str, text: dict, **top: Any) -> tuple[type, Any]:
+    vision = {"model_type": "pixtral", "hidden_size": 32, "intermediate_size": 48}
+    vision |= {"num_hidden_layers": 1, "num_attention_heads": 2, "head_dim": 16}
+    config = transformers.LightOnOcrConfig(
+        text_config=_text(arch, **text), vision_config=vision, image_token_id=500, **top
+    )
+    return transformers.LightOnOcrForConditionalGeneration, config
+
+
+def _cohere2_vision(arch: str, text: dict, **top: Any) -> tuple[type, Any]:
+    config = transformers.Cohere2VisionConfig(
+        text_config=_text(arch, **text),
+        vision_config={**_VISION, "model_type": "siglip_vision_model"},
+        image_token_id=500,
+        alignment_intermediate_size=64,
+        **top,
+    )
+    return transformers.Cohere2VisionForConditionalGeneration, config
+
+
+def _voxtral(arch: str, text: dict, **top: Any) -> tuple[type, Any]:
+    audio = {"model_type": "voxtral_encoder", "hidden_size": 16, "intermediate_size": 64}
+    audio |= {"num_hidden_layers": 1, "num_attention_heads": 2, "num_mel_bins": 16}
+    config = transformers.VoxtralConfig(
+        text_config=_text(arch, **text), audio_config=audio, audio_token_id=500, **top
+    )
+    return transformers.VoxtralForConditionalGeneration, config
 
 
 def _idefics3(name: str, text: dict, **top: Any) -> tuple[type, Any]:
@@ -434,6 +475,14 @@ CASES: dict[str, Builder] = {
     "llava_onevision-qwen2_moe": lambda: _onevision("qwen2_moe", {}),
     "internvl-stablelm": lambda: _internvl("stablelm", {"qk_layernorm": True}),
     "internvl-olmo2": lambda: _internvl("olmo2", {}, tie_word_embeddings=True),
+    # Mistral 3, LightOnOCR, LFM2-VL, Command A Vision and Voxtral around text models
+    # transformers' (AutoModel) and vLLM's (init_vllm_registered_model) wrappers build from
+    # text_config as any other (refused before: see the module doc)
+    "mistral3-llama": lambda: _mistral3("llama", {}, tie_word_embeddings=False),
+    "lighton_ocr-llama": lambda: _lighton_ocr("llama", {}, tie_word_embeddings=True),
+    "lfm2_vl-llama": lambda: _lfm2_vl("llama", {}),
+    "cohere2_vision-qwen2": lambda: _cohere2_vision("qwen2", {}, tie_word_embeddings=False),
+    "voxtral-qwen2": lambda: _voxtral("qwen2", {}, tie_word_embeddings=False),
     # Aya Vision 8B: Cohere 2 with a window on 3 of 4 layers
     "aya_vision-window": lambda: _aya_vision(
         {
@@ -951,6 +1000,26 @@ def test_text_model_paged_cannot_serve_is_refused_by_name(name):
     config.architectures = [cls.__name__]
     with pytest.raises(ValueError, match=rf"{cls.__name__} with a text_config .*{why}"):
         text_only_config(config)
+
+
+def test_blip2_with_any_text_model_is_its_language_model(tmp_path):
+    """BLIP-2 around OLMo 2 (transformers' AutoModelForCausalLM and vLLM build any text model
+    from text_config; refused before): on text alone it is its nested language model, HF's
+    `language_model` the reference (the wrapper's generate needs pixel_values)."""
+    qformer = {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1}
+    qformer |= {"num_attention_heads": 2}
+    config = transformers.Blip2Config(
+        text_config=_text("olmo2"),
+        vision_config=_VISION,
+        qformer_config=qformer,
+        num_query_tokens=2,
+        image_token_index=500,
+    )
+    path = write_hf_checkpoint(tmp_path, transformers.Blip2ForConditionalGeneration, config, seed=1)
+    hf = load_hf_as_saved(path).language_model
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
+    assert_serves_like_hf("blip2-olmo2", path, _prompts("blip2-olmo2"), MAX_TOKENS, hf=hf)
 
 
 def test_internvl_images_with_gpt_oss_text(tmp_path):

@@ -529,9 +529,12 @@ def test_older_mrope_type_is_the_default_rope():
 
 
 def test_unsupported_text_model_is_a_clear_error():
-    _, config = _mistral3(tiny_config("llama").to_dict())
-    config.architectures = ["Mistral3ForConditionalGeneration"]
-    with pytest.raises(ValueError, match=r"Mistral3ForConditionalGeneration .* 'llama'"):
+    """Idefics3 keeps a fixed table (vLLM's wrapper builds a Llama decoder whatever
+    text_config says, though transformers' builds any): another text model is refused."""
+    vision = {**_SMALL_VISION, "model_type": "idefics3_vision"}
+    config = transformers.Idefics3Config(text_config=_text("qwen2"), vision_config=vision)
+    config.architectures = ["Idefics3ForConditionalGeneration"]
+    with pytest.raises(ValueError, match=r"Idefics3ForConditionalGeneration .* 'qwen2'"):
         text_only_config(config)
 
 

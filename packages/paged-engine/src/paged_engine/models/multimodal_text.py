@@ -3,10 +3,12 @@
 A VLM wrapper (`*ForConditionalGeneration`) is a vision encoder and projector around a text
 decoder that is, on text-only input, exactly a text `*ForCausalLM` we already build; which
 class serves which wrapper, and what each drops, is models/text_wrappers.py's table. The
-LLaVA-family and InternVL wrappers (`Wrapper.any_text`) take any text model, as transformers
-(AutoModel from text_config) and vLLM (init_vllm_registered_model) do: the registered class of
-transformers' causal LM for text_config.model_type (`registered_text_arch`), its logits rules
-(Granite's logits_scaling, Cohere's logit_scale, soft caps) its own, as vLLM's language model.
+LLaVA-family, InternVL, Mistral 3 / LightOnOCR, LFM2-VL, Command A Vision, BLIP-2 and Voxtral
+wrappers (`Wrapper.any_text`) take any decoder-only text model, as transformers (AutoModel /
+AutoModelForCausalLM from text_config) and vLLM (init_vllm_registered_model) do: the
+registered class of transformers' causal LM for text_config.model_type
+(`registered_text_arch`), its logits rules (Granite's logits_scaling, Cohere's logit_scale,
+soft caps) its own, as vLLM's language model.
 
 Config (`text_only_config`, called where the loader reads config.json): the wrapper's
 text_config, with `architectures` naming our class and the fields that live at the wrapper's
@@ -128,13 +130,13 @@ def text_only_config(config: Any) -> Any:
     text = config if spec.flat else getattr(config, "text_config", None)
     model_type = getattr(text, "model_type", None)
     target = spec.text_archs.get(model_type) if text is not None else None
-    if target is None and spec.any_text and text is not None:
-        target = registered_text_arch(arch, text)
     if target is None and getattr(text, "is_encoder_decoder", False):  # BLIP-2's Flan-T5
         raise ValueError(
             f"{arch} with a text_config of model_type {model_type!r} (an encoder-decoder "
             "text model) is not supported: paged serves decoder-only text models"
         )
+    if target is None and spec.any_text and text is not None:
+        target = registered_text_arch(arch, text)
     if target is None:
         known = ", ".join(sorted(spec.text_archs))
         raise ValueError(

@@ -8,11 +8,12 @@ each is exact).
     Apertus1p5ForConditionalGeneration   apertus1p5_text        -> Apertus1p5TextForCausalLM
     AriaForConditionalGeneration         aria_text              -> AriaTextForCausalLM
     AyaVisionForConditionalGeneration    cohere2 / cohere       -> Cohere2 / CohereForCausalLM
-    Blip2ForConditionalGeneration        opt / llama / mistral  -> OPT / Llama / Mistral
-                                         qwen2                  -> Qwen2ForCausalLM
+    Blip2ForConditionalGeneration        opt                    -> OPTForCausalLM
+                                         any other (`any_text`) -> its registered *ForCausalLM
     ChameleonForConditionalGeneration    (flat) chameleon       -> ChameleonForCausalLM
     Emu3ForConditionalGeneration         emu3_text_model        -> Emu3ForCausalLM (Llama)
     Cohere2VisionForConditionalGeneration  cohere2              -> Cohere2ForCausalLM
+                                         any other (`any_text`) -> its registered *ForCausalLM
     CohereCompassForConditionalGeneration  cohere_compass_text  -> CohereCompassForCausalLM
     DeepseekVLForConditionalGeneration,  llama                  -> LlamaForCausalLM
       DeepseekVLHybridForConditionalGeneration
@@ -75,8 +76,10 @@ each is exact).
     Kimi_K25ForConditionalGeneration     deepseek_v3            -> DeepseekV3ForCausalLM
     KimiVLForConditionalGeneration       deepseek_v3            -> DeepseekV3ForCausalLM
     LightOnOcrForConditionalGeneration   qwen3                  -> Qwen3ForCausalLM
+                                         any other (`any_text`) -> its registered *ForCausalLM
       LightOnOCRForConditionalGeneration (vLLM's name: models/hub_vlm_configs.py)
     Lfm2VlForConditionalGeneration       lfm2                   -> Lfm2ForCausalLM
+                                         any other (`any_text`) -> its registered *ForCausalLM
     Lfm3VlForConditionalGeneration       lfm3                   -> Lfm3ForCausalLM
     Llama4ForConditionalGeneration       llama4_text            -> Llama4ForCausalLM
     LlavaForConditionalGeneration,       any (`any_text`)       -> its registered *ForCausalLM
@@ -91,6 +94,7 @@ each is exact).
     Mistral3ForConditionalGeneration     mistral                -> MistralForCausalLM
                                          ministral3             -> Ministral3ForCausalLM
                                          mistral4               -> Mistral4ForCausalLM
+                                         any other (`any_text`) -> its registered *ForCausalLM
     MistralLarge4ForConditionalGeneration  mistral_large4_text  -> MistralLarge4TextForCausalLM
     MiniCPMV4_6ForConditionalGeneration, qwen3_5_text           -> Qwen3_5ForCausalLM
       MiniCPMV4_7ForConditionalGeneration
@@ -136,6 +140,7 @@ each is exact).
     FunAsrNanoForConditionalGeneration   qwen3                  -> Qwen3ForCausalLM
     MusicFlamingoForConditionalGeneration  qwen2                -> Qwen2ForCausalLM
     VoxtralForConditionalGeneration      llama / mistral        -> Llama / MistralForCausalLM
+                                         any other (`any_text`) -> its registered *ForCausalLM
     VoxtralRealtimeForConditionalGeneration  voxtral_realtime_text -> VoxtralRealtimeTextForCausalLM
     Qwen2VLForConditionalGeneration      qwen2_vl_text          -> Qwen2ForCausalLM
     Qwen2_5_VLForConditionalGeneration   qwen2_5_vl_text        -> Qwen2ForCausalLM
@@ -229,17 +234,6 @@ _QWEN3_OMNI_TEXT = {"qwen3_omni_moe_text": "Qwen3MoeForCausalLM"}
 # the same config, keeps only the window: a set window has no one meaning (the Hub's is null)
 _QWEN3_OMNI_REFUSED = ("sliding_window",)
 
-# BLIP-2's decoder-only text models beside OPT (transformers builds any; these are served)
-_LLAVA_TEXT = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "gemma": "GemmaForCausalLM",
-    "phi3": "Phi3ForCausalLM",
-    "granite": "GraniteForCausalLM",
-}
-
 
 @dataclass(frozen=True, slots=True)
 class Wrapper:
@@ -325,8 +319,10 @@ WRAPPERS: dict[str, Wrapper] = {
     "AyaVisionForConditionalGeneration": Wrapper(
         {"cohere2": "Cohere2ForCausalLM", "cohere": "CohereForCausalLM"}, _LLAVA_STYLE
     ),
+    # (transformers' AutoModel and vLLM's text_config.architectures: any text model, the
+    # logit_scale rule kept)
     "Cohere2VisionForConditionalGeneration": Wrapper(
-        {"cohere2": "Cohere2ForCausalLM"}, _LLAVA_STYLE, no_logit_scale=True
+        {"cohere2": "Cohere2ForCausalLM"}, _LLAVA_STYLE, no_logit_scale=True, any_text=True
     ),
     # Cohere Compass (North-Micro-Vision): a Qwen3-VL tower under `visual` (images:
     # multimodal/qwen2_vl.py) into its Cohere decoder (models/cohere_compass.py); logits
@@ -565,7 +561,11 @@ WRAPPERS: dict[str, Wrapper] = {
         ("vision.", "projector.", "image_newline", "view_seperator"),
         renames=(("language.model.", "model."), ("language.lm_head.", "lm_head.")),
     ),
-    "Lfm2VlForConditionalGeneration": Wrapper({"lfm2": "Lfm2ForCausalLM"}, _LLAVA_STYLE),
+    # LFM2-VL: released around LFM2; transformers (AutoModel) and vLLM (text_config's
+    # architectures) build any text model
+    "Lfm2VlForConditionalGeneration": Wrapper(
+        {"lfm2": "Lfm2ForCausalLM"}, _LLAVA_STYLE, any_text=True
+    ),
     # Molmo2: a Qwen3-style decoder with a wider token table (images: multimodal/molmo2.py)
     "Molmo2ForConditionalGeneration": Wrapper(
         {"molmo2_text": "Molmo2TextForCausalLM"},
@@ -585,13 +585,18 @@ WRAPPERS: dict[str, Wrapper] = {
         extra_vocab=True,
     ),
     # LightOnOCR: a Pixtral tower and Mistral 3's projector under their own names (images:
-    # multimodal/lighton_ocr.py) into Qwen3
+    # multimodal/lighton_ocr.py) into Qwen3; Mistral 3's wrapper in transformers and vLLM, so
+    # any text model
     "LightOnOcrForConditionalGeneration": Wrapper(
-        {"qwen3": "Qwen3ForCausalLM"}, _modules("vision_encoder", "vision_projection")
+        {"qwen3": "Qwen3ForCausalLM"},
+        _modules("vision_encoder", "vision_projection"),
+        any_text=True,
     ),
     # LightOnOCR-1B-1025's config.json name (vLLM's; models/hub_vlm_configs.py): the same
     "LightOnOCRForConditionalGeneration": Wrapper(
-        {"qwen3": "Qwen3ForCausalLM"}, _modules("vision_encoder", "vision_projection")
+        {"qwen3": "Qwen3ForCausalLM"},
+        _modules("vision_encoder", "vision_projection"),
+        any_text=True,
     ),
     # DeepSeek-VL: SigLIP and an MLP aligner (images: multimodal/deepseek_vl.py) into Llama
     "DeepseekVLForConditionalGeneration": Wrapper(
@@ -634,6 +639,8 @@ WRAPPERS: dict[str, Wrapper] = {
         (*_modules("vision_model", "mm_projector"), "image_newline"),
         nested_head=True,
     ),
+    # Mistral Small 3.x / 4, Ministral 3 (their released text models); transformers'
+    # (AutoModel) and vLLM's (init_vllm_registered_model) wrappers build any text model
     "Mistral3ForConditionalGeneration": Wrapper(
         {
             "mistral": "MistralForCausalLM",
@@ -641,6 +648,7 @@ WRAPPERS: dict[str, Wrapper] = {
             "mistral4": "Mistral4ForCausalLM",  # Mistral Small 4
         },
         _LLAVA_STYLE,
+        any_text=True,
     ),
     # Mistral Large 4: transformers saves Mistral's native names (the text class maps them)
     "MistralLarge4ForConditionalGeneration": Wrapper(
@@ -727,9 +735,12 @@ WRAPPERS: dict[str, Wrapper] = {
     "Qwen3ASRForConditionalGeneration": Wrapper({"qwen3": "Qwen3ForCausalLM"}, _AUDIO_STYLE),
     # Fun-ASR-Nano: a SAN-M encoder and an adaptor into Qwen3 (multimodal/fun_asr_nano.py)
     "FunAsrNanoForConditionalGeneration": Wrapper({"qwen3": "Qwen3ForCausalLM"}, _AUDIO_STYLE),
-    # Voxtral: Whisper's encoder into a Llama / Mistral decoder (audio: multimodal/voxtral.py)
+    # Voxtral: Whisper's encoder into a Llama / Mistral decoder (audio: multimodal/voxtral.py);
+    # transformers (AutoModel) and vLLM build any text model
     "VoxtralForConditionalGeneration": Wrapper(
-        {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}, _AUDIO_STYLE
+        {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"},
+        _AUDIO_STYLE,
+        any_text=True,
     ),
     # Voxtral Realtime: a causal tower's rows added to Mistral's token embeddings (audio:
     # multimodal/voxtral_realtime.py; decoder: models/voxtral_realtime.py)
@@ -792,11 +803,13 @@ WRAPPERS: dict[str, Wrapper] = {
         {"minimax_text_01": "MiniMaxText01ForCausalLM"}, _LLAVA_NEXT
     ),
     # BLIP-2: a ViT, the Q-Former and language_projection (images: multimodal/blip2.py) into
-    # a decoder-only text model (the Flan-T5 variants, encoder-decoders, are refused)
+    # a decoder-only text model, released around OPT; transformers (AutoModelForCausalLM) and
+    # vLLM build any (the Flan-T5 variants, encoder-decoders, are refused)
     "Blip2ForConditionalGeneration": Wrapper(
-        {"opt": "OPTForCausalLM", **_LLAVA_TEXT},
+        {"opt": "OPTForCausalLM"},
         (*_modules("vision_model", "qformer", "language_projection"), "query_tokens"),
         nested_head=True,
+        any_text=True,
     ),
     # Inkling (text: models/inkling.py; its vision and audio towers dropped) and Inkling 2 /
     # 2 Loop (models/inkling2.py): on text the wrappers run their text model's logits

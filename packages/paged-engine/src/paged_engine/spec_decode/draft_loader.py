@@ -47,19 +47,10 @@ def resolve_speculative_config(config, target_hf_config, target_tokenizer) -> No
     by "eagle-" in its name; no num_speculative_tokens: a
     speculators checkpoint's own count, or the MTP layer count), then check the draft, head or
     MTP layer against the target. ValueErrors name speculative_config."""
-    from paged_engine.models.hybrid import is_hybrid
     from paged_engine.models.mtp import num_mtp_layers
     from paged_engine.spec_decode.config import SpeculativeConfig
 
     spec = SpeculativeConfig.from_dict(config.speculative_config)
-    if config.pipeline_parallel_size > 1 and is_hybrid(target_hf_config):
-        # A rejected draft restores each stage's recurrent state rows, but only the last
-        # stage learns how many drafts were kept.
-        arch = ", ".join(getattr(target_hf_config, "architectures", None) or ["this model"])
-        raise ValueError(
-            f"speculative_config is not supported with pipeline_parallel_size > 1 for {arch} "
-            "(a model with recurrent state)"
-        )
     given = config.speculative_config if isinstance(config.speculative_config, dict) else {}
     if spec.model is not None and "method" not in given:
         # As vLLM tells them: an EAGLE-3 head by its config, an EAGLE-1 head by its name.

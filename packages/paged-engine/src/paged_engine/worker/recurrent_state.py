@@ -71,6 +71,12 @@ def hybrid_engine_config(config, hf_config) -> None:
     arch = ", ".join(getattr(hf_config, "architectures", None) or ["this model"])
     if config.pipeline_parallel_size > 1:
         _check_pipeline(config.pipeline_parallel_size, hf_config, arch)
+        if config.speculative_config is not None:  # a rejected draft restores each stage's
+            # state rows, but only the last stage learns how many drafts were kept
+            raise ValueError(
+                "speculative_config is not supported with pipeline_parallel_size > 1 for "
+                f"{arch} (a model with recurrent state)"
+            )
     unsupported = {
         "batch_invariant=True": bool(config.batch_invariant),
         "cpu_offload_gib > 0": bool(config.cpu_offload_gib),

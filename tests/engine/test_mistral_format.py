@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from paged_engine import LLM, SamplingParams
 from paged_engine.config import EngineConfig
-from paged_engine.loader import _detect_format, iter_weights, load_hf_config, resolve_model
+from paged_engine.loader import iter_weights, load_hf_config, resolve_model, weights_format
 from paged_engine.mistral_format import mistral_hf_config
 from paged_engine.testing import write_tiny_model
 
@@ -175,7 +175,7 @@ def test_auto_takes_params_json_only_without_config_json(mistral_dirs, tmp_path)
     hf_dir, native = mistral_dirs
     resolved = resolve_model(native)  # a dir with params.json and no config.json resolves
     assert load_hf_config(resolved).model_type == "mistral"
-    assert _detect_format(resolved) == "mistral"
+    assert weights_format(resolved) == "mistral"
     both = tmp_path / "both"
     shutil.copytree(native, both)
     for name in _HF_ONLY:
@@ -183,7 +183,7 @@ def test_auto_takes_params_json_only_without_config_json(mistral_dirs, tmp_path)
     (both / "params.json").write_text('{"dim": 1}')  # "auto" must not read it
     resolved = resolve_model(both)
     assert load_hf_config(resolved).hidden_size == 64
-    assert _detect_format(resolved) == "safetensors"  # HF-named weights first; only them
+    assert weights_format(resolved) == "safetensors"  # HF-named weights first; only them
     assert sorted(dict(iter_weights(resolved)).keys()) == sorted(load_file(hf_dir / _HF_ONLY[1]))
 
 

@@ -21,10 +21,10 @@ BAR_DELAY_S = 1.0  # a faster load shows its two log lines only
 def count_weights(resolved, load_format: str) -> int | None:
     """Tensors the load will yield, from file headers only; None where that costs a full read
     (PyTorch .bin) or the format is unknown."""
-    from paged_engine.loader import _detect_format, _open_gguf, _weight_files, safetensors_header
+    from paged_engine.loader import _open_gguf, _weight_files, safetensors_header, weights_format
 
     try:
-        fmt = _detect_format(resolved) if load_format == "auto" else load_format
+        fmt = weights_format(resolved, load_format)
         if fmt == "gguf" and resolved.is_gguf:
             return len(_open_gguf(resolved.gguf_file).tensors)
         if fmt != "safetensors":

@@ -497,8 +497,7 @@ def iter_weights(
     resolved: ResolvedModel, load_format: str = "auto"
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, CPU tensor) pairs, streamed file by file."""
-    if load_format == "auto":
-        load_format = _detect_format(resolved)
+    load_format = weights_format(resolved, load_format)
     if load_format == "gguf":
         if not resolved.is_gguf:
             raise ValueError(f"load_format='gguf' but {resolved.name!r} is not a .gguf model")
@@ -517,7 +516,11 @@ def iter_weights(
     return with_linked_weights(resolved, weights)
 
 
-def _detect_format(resolved: ResolvedModel) -> str:
+def weights_format(resolved: ResolvedModel, load_format: str = "auto") -> str:
+    """The format the weights load in: `load_format`, or for "auto" what the files are
+    (gguf, safetensors, mistral's consolidated files or pt)."""
+    if load_format != "auto":
+        return load_format
     if resolved.is_gguf:
         return "gguf"
     # HF-named weights first where a repo has both them and Mistral's consolidated ones

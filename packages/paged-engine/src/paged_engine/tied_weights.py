@@ -73,13 +73,13 @@ def untie_differing_head(
     names and, only where both are there, those two tensors. Safetensors and `.bin` files,
     and a VLM wrapper's Mistral consolidated weights: GGUF never ties a head it has, a text
     model's consolidated format ties by its config."""
-    from paged_engine.loader import _detect_format, iter_weights
+    from paged_engine.loader import iter_weights, weights_format
     from paged_engine.models.multimodal_text import MARKER, text_model_weights
     from paged_engine.models.utils import CausalLMBase
 
     if not (isinstance(model, CausalLMBase) and model.tie_word_embeddings):
         return False
-    fmt = _detect_format(resolved) if load_format == "auto" else load_format
+    fmt = weights_format(resolved, load_format)
     wrapped = getattr(hf_config, MARKER, None) is not None
     if fmt not in ("safetensors", "pt") and not (fmt == "mistral" and wrapped):
         return False

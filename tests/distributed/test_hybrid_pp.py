@@ -4,7 +4,9 @@ layers only, and greedy tokens and logprobs equal the single-process engine's: J
 prefill chunks over several steps, preemption by recompute and prefix-cache state snapshots;
 the other families of HybridModel's forward (Granite 4.0-H, Nemotron-H, Qwen3-Next, Qwen3.5,
 Bamba, Falcon-H1, LFM2 / LFM2-MoE / LFM3, Kimi Linear, MiniMax-01 under both config dialects,
-PLaMo 2, OLMo Hybrid, Ling 2.5, Inkling, RecurrentGemma, Lara-Mini) on plain requests. Hybrids
+PLaMo 2, OLMo Hybrid, Ling 2.5, Inkling, RecurrentGemma, Lara-Mini) on plain requests; Jamba
+and Bamba with n-gram and suffix speculation (a rejected draft restores every stage's state
+rows) equal one process's with and without it. Hybrids
 with a forward of their own, pure state-space models, and a split that leaves a stage without
 an attention layer, are refused by name before any rank starts."""
 
@@ -196,6 +198,69 @@ def test_hybrid_family_pp2_matches_one_process(tmp_path, family):
     got, _, (built, counts) = _run(path, prompts, pipeline_parallel_size=2, **options)
     _assert_same(got, want)
     assert (built, counts) == STAGES.get(family, ([[0, 1], [2, 3]], [(1, 1), (1, 1)]))
+
+
+def _damp_mixers(path, scale: float) -> None:
+    """Scale every mixer's and feed-forward's output projection: each next token then depends
+    mostly on the current one, so greedy text falls into cycles that n-gram drafts predict,
+    while the state layers still move every logprob."""
+    from safetensors.torch import load_file, save_file
+
+    w = load_file(path / "model.safetensors")
+    for name in w:
+        if any(p in name for p in ("o_proj", "out_proj", "down_proj")):
+            w[name] = w[name] * scale
+    save_file(w, path / "model.safetensors", metadata={"format": "pt"})
+
+
+def _run_speculating(path, prompts, **kwargs):
+    """(outputs, draft tokens verified, draft tokens accepted)."""
+    llm = LLM(
+        model=str(path),
+        dtype="float32",
+        max_model_len=128,
+        max_num_batched_tokens=48,
+        max_num_seqs=6,
+        **kwargs,
+    )
+    try:
+        sp = SamplingParams(temperature=0, max_tokens=32, logprobs=1, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        stats = llm.llm_engine.get_stats()
+        drafted, accepted = (
+            stats.spec_decode_num_draft_tokens,
+            stats.spec_decode_num_accepted_tokens,
+        )
+        return _summary(outs), drafted, accepted
+    finally:
+        llm.llm_engine.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["jamba", "bamba"])  # Mamba (v1) / Mamba2 state layers
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_hybrid_pp2_speculation_matches_one_process(tmp_path, family, method):
+    # A rejected draft: the last stage restores its state rows when it samples, the first
+    # stage when the rolled-back sequence runs again.
+    path = write_tiny_model(tmp_path, family, seed=3, **FAMILIES[family])
+    _damp_mixers(path, 0.03)
+    rng = random.Random(2)
+    prompts = []  # repetitive prompts: the drafts find their n-grams
+    for _ in range(6):
+        unit = [rng.randrange(3, 200) for _ in range(rng.randint(3, 6))]
+        prompts.append(unit * rng.randint(3, 5))
+    spec = {"method": method, "num_speculative_tokens": 3}
+    if method == "ngram":
+        spec["prompt_lookup_min"] = 1
+    plain, _, _ = _run_speculating(path, prompts)
+    one, one_drafted, one_accepted = _run_speculating(path, prompts, speculative_config=spec)
+    got, drafted, accepted = _run_speculating(
+        path, prompts, pipeline_parallel_size=2, speculative_config=spec
+    )
+    assert 0 < accepted < drafted  # drafts kept, and drafts rejected (state rows restored)
+    assert 0 < one_accepted < one_drafted
+    _assert_same(got, one)
+    _assert_same(got, plain)
 
 
 def _no_ranks(*args, **kwargs):

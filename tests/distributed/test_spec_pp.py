@@ -6,8 +6,8 @@ greedy ones equal the engine's without speculation; two micro-batches run at onc
 Worker-side proposers (a draft model, an EAGLE-1 head, an MTP layer) run on the last stage,
 which sends each step's drafts to the first stage before the forward: greedy outputs equal one
 process's (sampled ones too with greedy drafts), drafts accepted. EAGLE-3 and the other heads
-are refused by name (as vLLM's model runner), and so are models with recurrent state (only the
-last stage learns which drafts to undo)."""
+are refused by name (as vLLM's model runner), and so are worker-side proposers for models with
+recurrent state (n-gram and suffix drafts are served for them: test_hybrid_pp.py)."""
 
 from __future__ import annotations
 
@@ -218,13 +218,16 @@ def test_an_eagle3_head_told_by_its_checkpoint_is_refused(setup, tmp_path):
         )
 
 
-def test_pipeline_speculation_refuses_models_with_recurrent_state(tmp_path):
-    # a rejected draft restores each stage's state rows; only the last stage knows the count
-    # (Jamba serves pipeline stages: test_hybrid_pp.py)
+def test_pipeline_speculation_refuses_worker_proposers_for_models_with_recurrent_state(tmp_path):
+    # n-gram and suffix drafts are served there (test_hybrid_pp.py); a draft model is not
     path = write_tiny_model(tmp_path, "jamba", seed=3, attn_layer_period=2, attn_layer_offset=1)
-    with pytest.raises(ValueError, match=r"speculative_config .* > 1 for JambaForCausalLM"):
+    with pytest.raises(
+        ValueError,
+        match=r"method 'draft_model' is not supported with pipeline_parallel_size > 1 for "
+        r"JambaForCausalLM \(a model with recurrent state\); methods that are: ngram, suffix",
+    ):
         LLM(
             str(path),
             pipeline_parallel_size=2,
-            speculative_config=SPECS["ngram"],
+            speculative_config={"model": str(path), "num_speculative_tokens": 2},
         )

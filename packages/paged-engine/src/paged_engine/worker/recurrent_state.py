@@ -24,7 +24,9 @@ the verified families (models/hybrid.py: PIPELINE_MODEL_TYPES), each stage holdi
 its own layers only, when every stage holds an attention layer. Speculative
 decoding takes a backup row per seat: a verify step backs its rows up, a rejected draft restores
 the row, and the engine core rolls the sequence back so that its accepted tokens run again
-(`Sequence.replay_end`). LoRA adapters have nothing to
+(`Sequence.replay_end`). Under pipeline parallelism only the last stage samples and restores at
+once; every other stage restores at the rolled-back sequence's next step, which starts where
+its backup stands (`roll_back`, before the step's row copies). LoRA adapters have nothing to
 do with the state (a token's adapter changes its projections only; prefix-cache snapshots are
 keyed by block hashes whose root names the adapter), so they are served.
 """
@@ -57,6 +59,10 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+# Speculation methods served for hybrids under pipeline stages: the engine core's proposers,
+# whose rejections every stage learns from the next step (`RecurrentStatePool.roll_back`).
+PIPELINE_SPEC_METHODS = ("ngram", "suffix")
+
 _SSM_DTYPES = {
     "float32": torch.float32,
     "float16": torch.float16,
@@ -71,12 +77,16 @@ def hybrid_engine_config(config, hf_config) -> None:
     arch = ", ".join(getattr(hf_config, "architectures", None) or ["this model"])
     if config.pipeline_parallel_size > 1:
         _check_pipeline(config.pipeline_parallel_size, hf_config, arch)
-        if config.speculative_config is not None:  # a rejected draft restores each stage's
-            # state rows, but only the last stage learns how many drafts were kept
-            raise ValueError(
-                "speculative_config is not supported with pipeline_parallel_size > 1 for "
-                f"{arch} (a model with recurrent state)"
-            )
+        if config.speculative_config is not None:
+            from paged_engine.spec_decode.config import SpeculativeConfig
+
+            method = SpeculativeConfig.from_dict(config.speculative_config).method
+            if method not in PIPELINE_SPEC_METHODS:  # a worker-side proposer: unverified here
+                raise ValueError(
+                    f"speculative_config method {method!r} is not supported with "
+                    f"pipeline_parallel_size > 1 for {arch} (a model with recurrent state); "
+                    f"methods that are: {', '.join(PIPELINE_SPEC_METHODS)}"
+                )
     unsupported = {
         "batch_invariant=True": bool(config.batch_invariant),
         "cpu_offload_gib > 0": bool(config.cpu_offload_gib),
@@ -279,6 +289,18 @@ class RecurrentStatePool:
         """Put seats `rows` back to their backups (a draft was rejected: the accepted tokens
         run again in the next step, from where the verify step started)."""
         self.copy_rows([(self.backup_row + int(r), int(r)) for r in rows])
+
+    def roll_back(self, rows: np.ndarray, starts: np.ndarray) -> None:
+        """Restore the seats `rows` (sequences the engine core rolled back after a rejected
+        draft, now continuing from `starts`) whose state still holds the rejected drafts: on a
+        stage that did not sample, the rollback is learnt from this step. A seat that stands at
+        its start already (the sampling stage restored it) is left alone."""
+        if not self.num_backups or not rows.size:
+            return
+        absorbed, backed_up = self.num_absorbed[rows], self.num_absorbed[self.backup_row + rows]
+        stale = (starts > 0) & (absorbed != starts) & (backed_up == starts)
+        if stale.any():
+            self.restore(rows[stale])
 
     def copy_rows(self, pairs: list[tuple[int, int]]) -> None:
         """state[dst] = state[src] for every (src, dst) and layer; all sources are read before

@@ -10,7 +10,8 @@ compiled forward, or eager (cross-attention, image features, prompt_embeds rows,
 two-way image rows). Under pipeline parallelism each stage runs its share (`_execute_stage`):
 hidden states pass from stage to stage, and the last stage's sampled ids go back to the first.
 A worker-side proposer runs on the last stage, whose drafts go to the first stage before the
-step's forward (worker/stage_outputs.py).
+step's forward (worker/stage_outputs.py). A hybrid model's stages that do not sample restore the
+state rows of a rejected draft at the sequence's next step (`RecurrentStatePool.roll_back`).
 
 `StepExecution` is a mixin of `ModelRunner` (worker/model_runner.py). vLLM v1:
 `GPUModelRunner.execute_model` (`_update_states`, the forward, the pipeline hand-off).
@@ -22,6 +23,7 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -162,6 +164,8 @@ class StepExecution:
                 cache.swap_in(sched.blocks_to_swap_in)
             if sched.blocks_to_copy:
                 cache.copy_blocks(sched.blocks_to_copy)
+        if sched.known_token_ids and self.states is not None and not self.parallel.is_last_stage:
+            self._roll_back_states(sched)  # before the copies: a snapshot may read those seats
         if sched.state_copies:
             assert self.states is not None
             self.states.copy_rows(sched.state_copies)
@@ -189,6 +193,17 @@ class StepExecution:
         if draft is not None:
             draft.after_step(sched, inputs, hidden)  # a head keeps the forward's features
         return out
+
+    def _roll_back_states(self, sched: SchedulerOutput) -> None:
+        """A stage that did not sample: restore the state rows of the sequences the engine core
+        rolled back after a rejected draft (they replay `known_token_ids` from their verify
+        step's start; the last stage restored them when it sampled)."""
+        assert self.states is not None
+        batch, known = self.batch, sched.known_token_ids
+        replays = [i for i, s in enumerate(sched.seq_ids) if s in known]
+        rows = [batch.seqs[sched.seq_ids[i]].row for i in replays]
+        starts = np.asarray([sched.start_positions[i] for i in replays], dtype=np.int64)
+        self.states.roll_back(batch.state_slot[rows], starts)
 
     def _execute_stage(
         self, sched: SchedulerOutput, cached: list[CachedSeq], inputs: StepInputs

@@ -26,7 +26,11 @@ kept (GraniteMoE's division, Cohere 2's logit_scale), and a type paged serves as
 (or whose decoder is not under `model.`) is refused by name. Mistral 3, LightOnOCR and LFM2-VL
 around Llama, Command A Vision and Voxtral around Qwen2, BLIP-2 around OLMo 2 (wrappers
 transformers and vLLM build from any text_config) were refused by their fixed tables the same
-way.
+way. Image prompts through LLaVA / InternVL / Mistral 3 around text models whose embedding is
+not Llama's (Gemma / Gemma 2 scaled by sqrt(hidden): image rows spliced after the scale, as
+transformers 5's scaled embedding module leaves them, where vLLM's Gemma scales them too;
+Granite / GraniteMoE's embedding_multiplier on every row; Cohere, OLMo 2, Qwen2-MoE, StableLM,
+Phi-3) give HF's wrapper's tokens and logprobs.
 """
 
 from __future__ import annotations
@@ -917,11 +921,27 @@ def test_mllama_image_with_text_variant(tmp_path):
     _check_images(path, cls, cases, inputs, "mllama")
 
 
-@pytest.mark.parametrize("text", ["gemma", "phi3", "granite", "olmo2"])
+# text model_type -> its logits rule that transformers 5's wrapper head drops (paged keeps it,
+# as vLLM: test_llava_keeps_its_text_models_logit_rules), neutral here to compare images
+_NEUTRAL_LOGITS: dict[str, dict[str, Any]] = {
+    "granite": {"logits_scaling": 1.0},
+    "granitemoe": {"logits_scaling": 1.0},
+    "cohere": {"logit_scale": 1.0},
+    "gemma2": {"final_logit_softcapping": None},
+}
+
+
+_LLAVA_BACKBONES = ["gemma", "gemma2", "phi3", "granite", "granitemoe", "olmo2", "cohere"]
+_LLAVA_BACKBONES += ["qwen2_moe", "stablelm"]
+
+
+@pytest.mark.parametrize("text", _LLAVA_BACKBONES)
 def test_llava_images_with_other_text_backbones(text, tmp_path):
-    """LLaVA around Gemma (its scaled embedding: image rows spliced unscaled, as in HF), Phi-3
-    and OLMo 2 (built from text_config as any text model); LLaVA-NeXT around Granite (its
-    embedding_multiplier on the image rows too, as in HF)."""
+    """LLaVA around Gemma / Gemma 2 (their scaled embedding: image rows spliced unscaled, as
+    transformers 5's scaled embedding module leaves them), Phi-3, OLMo 2, Cohere, Qwen2-MoE,
+    StableLM and GraniteMoE (built from text_config as any text model; GraniteMoE's
+    embedding_multiplier on the image rows too, as in HF); LLaVA-NeXT around Granite (the
+    same)."""
     from paged_engine.testing import write_tiny_llava
 
     pinpoints = {"grid_pinpoints": [[30, 60], [60, 30]]} if text == "granite" else {}
@@ -935,8 +955,8 @@ def test_llava_images_with_other_text_backbones(text, tmp_path):
     ]
     name = "LlavaNext" if pinpoints else "Llava"
     cls = getattr(transformers, f"{name}ForConditionalGeneration")
-    if text == "granite":  # the division transformers 5 drops (see the test below)
-        _resave_text(path, cls, 3, logits_scaling=1.0)
+    if text in _NEUTRAL_LOGITS:
+        _resave_text(path, cls, 3, **_NEUTRAL_LOGITS[text])
     keys = ("pixel_values", "image_sizes") if pinpoints else ("pixel_values",)
     _check_images(path, cls, cases, _processor_inputs(path, *keys), f"llava-{text}")
 
@@ -1047,3 +1067,53 @@ def test_internvl_images_with_gpt_oss_text(tmp_path):
     ]
     inputs = lambda *case: tiled_context_inputs(path, *case)
     _check_images(path, cls, cases, inputs, "internvl-gpt_oss", max_model_len=256)
+
+
+def _retext(path: Path, cls: type, arch: str, seed: int) -> Path:
+    """`path`'s wrapper checkpoint around a tiny `arch` text model of the same vocabulary (its
+    logits rule neutral: _NEUTRAL_LOGITS), random weights made again."""
+    config = transformers.AutoConfig.from_pretrained(path)
+    text = _text(arch, vocab_size=config.text_config.vocab_size, **_NEUTRAL_LOGITS.get(arch, {}))
+    config.text_config = transformers.AutoConfig.for_model(**text)
+    _save_random(cls, config, seed, path)
+    return path
+
+
+def _internvl_retexted(arch: str, tmp_path: Path) -> None:
+    from test_internvl_images import PROMPT
+    from vlm_checkpoints import tiled_context_inputs
+
+    from paged_engine.testing import write_tiny_internvl
+
+    cls = transformers.InternVLForConditionalGeneration
+    path = _retext(write_tiny_internvl(tmp_path, seed=2), cls, arch, 2)
+    inputs = lambda *case: tiled_context_inputs(path, *case)
+    cases = [(PROMPT, [noise_image(1, (40, 90))])]
+    _check_images(path, cls, cases, inputs, f"internvl-{arch}", max_model_len=256)
+
+
+def _mistral3_retexted(arch: str, tmp_path: Path) -> None:
+    from test_mistral3_images import PROMPT, _hf_inputs
+
+    from paged_engine.testing import write_tiny_mistral3
+
+    cls = transformers.Mistral3ForConditionalGeneration
+    path = _retext(write_tiny_mistral3(tmp_path, arch="mistral3", seed=2), cls, arch, 2)
+    cases = [(PROMPT, [noise_image(1, (40, 56))])]
+    _check_images(path, cls, cases, lambda *case: _hf_inputs(path, 2, *case), f"mistral3-{arch}")
+
+
+# other any-text wrappers' images around a text model whose embedding path is not Llama's:
+# Gemma 2's scaled embedding (image rows unscaled, as transformers 5's wrappers splice them
+# after its scaled embedding module), GraniteMoE's embedding_multiplier (on the image rows too)
+RETEXTED_IMAGES: dict[str, Callable[[Path], None]] = {
+    "internvl-gemma2": lambda p: _internvl_retexted("gemma2", p),
+    "internvl-granitemoe": lambda p: _internvl_retexted("granitemoe", p),
+    "mistral3-gemma": lambda p: _mistral3_retexted("gemma", p),
+    "mistral3-granite": lambda p: _mistral3_retexted("granite", p),
+}
+
+
+@pytest.mark.parametrize("name", list(RETEXTED_IMAGES))
+def test_any_text_wrapper_images_with_other_embeddings(name, tmp_path):
+    RETEXTED_IMAGES[name](tmp_path)

@@ -93,9 +93,16 @@ def test_async_llm_fails_only_the_culprit(tiny_llama_dir, clean, async_schedulin
                 for i, p in enumerate(GOOD)
             ]
             bad = eng.generate(TokensPrompt(prompt_token_ids=BAD), GREEDY, "bad")
-            outs = await asyncio.gather(
-                _last(bad), *(_last(g) for g in gens), return_exceptions=True
-            )
+            # paused until every request is in: the poisoned step has company however the
+            # event loop and the engine thread interleave (a loaded machine stepped "bad" alone)
+            await eng.pause_generation(mode="keep")
+            tasks = [asyncio.ensure_future(_last(a)) for a in (bad, *gens)]
+            for _ in range(1000):
+                if await eng._call(lambda e: e.get_num_unfinished_requests()) == len(tasks):
+                    break
+                await asyncio.sleep(0.01)
+            await eng.resume_generation()
+            outs = await asyncio.gather(*tasks, return_exceptions=True)
             after = await _last(eng.generate(TokensPrompt(prompt_token_ids=GOOD[0]), GREEDY, "a"))
             return outs, after
 

@@ -53,13 +53,13 @@ from hf_parity import (
 )
 from hf_reference import assert_matches, hf_greedy
 from image_checks import engine, greedy, hf_refs, noise_image, qwen2_vl_hf_inputs
+from test_models_vlm_text import _LLAMA_LIKE, _PIXTRAL_VISION, _QWEN_VISION, _SMALL_VISION, _text
 from vlm_checkpoints import load_hf_vlm
 
 from paged_engine import LLM, SamplingParams
 from paged_engine.testing import (
     _COMMON,
     _save_random,
-    tiny_config,
     write_tiny_gemma3,
     write_tiny_model,
     write_tiny_qwen2_vl,
@@ -69,29 +69,6 @@ transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 MAX_TOKENS = 6
-# a 1-layer vision encoder of two 14-pixel patches a side (CLIP / SigLIP fields)
-_VISION = {
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 1,
-    "num_attention_heads": 2,
-    "image_size": 28,
-    "patch_size": 14,
-}
-_QWEN_VISION = {
-    "depth": 1,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_heads": 2,
-    "out_hidden_size": 64,
-    "patch_size": 14,
-    "spatial_merge_size": 2,
-    "temporal_patch_size": 2,
-}
-
-
-def _text(arch: str, **fields: Any) -> dict:
-    return tiny_config(arch, **fields).to_dict()
 
 
 def _prompts(seed: str) -> list[list[int]]:
@@ -107,7 +84,7 @@ Builder = Callable[[], tuple[type, Any]]
 def _gemma3(text: dict, **top: Any) -> tuple[type, Any]:
     config = transformers.Gemma3Config(
         text_config=_text("gemma3", **text),
-        vision_config={**_VISION, "model_type": "siglip_vision_model"},
+        vision_config={**_SMALL_VISION, "model_type": "siglip_vision_model"},
         mm_tokens_per_image=4,
         boi_token_index=509,
         eoi_token_index=510,
@@ -133,7 +110,7 @@ def _gemma4(arch: str, text: dict, **top: Any) -> tuple[type, Any]:
 
 
 def _llava(name: str, arch: str, text: dict, **top: Any) -> tuple[type, Any]:
-    vision = transformers.CLIPVisionConfig(**_VISION, projection_dim=32).to_dict()
+    vision = transformers.CLIPVisionConfig(**_SMALL_VISION, projection_dim=32).to_dict()
     config = getattr(transformers, f"{name}Config")(
         text_config=_text(arch, **text), vision_config=vision, image_token_index=500, **top
     )
@@ -141,7 +118,7 @@ def _llava(name: str, arch: str, text: dict, **top: Any) -> tuple[type, Any]:
 
 
 def _onevision(arch: str, text: dict, **top: Any) -> tuple[type, Any]:
-    vision = {**_VISION, "model_type": "siglip_vision_model"}
+    vision = {**_SMALL_VISION, "model_type": "siglip_vision_model"}
     config = transformers.LlavaOnevisionConfig(
         text_config=_text(arch, **text), vision_config=vision, image_token_index=500, **top
     )
@@ -149,24 +126,17 @@ def _onevision(arch: str, text: dict, **top: Any) -> tuple[type, Any]:
 
 
 def _mistral3(arch: str, text: dict, **top: Any) -> tuple[type, Any]:
-    vision = {
-        "model_type": "pixtral",
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 1,
-        "num_attention_heads": 2,
-        "head_dim": 16,
-        "image_size": 56,
-        "patch_size": 14,
-    }
     config = transformers.Mistral3Config(
-        text_config=_text(arch, **text), vision_config=vision, image_token_index=511, **top
+        text_config=_text(arch, **text),
+        vision_config=_PIXTRAL_VISION,
+        image_token_index=511,
+        **top,
     )
     return transformers.Mistral3ForConditionalGeneration, config
 
 
 def _lfm2_vl(arch: str, text: dict, **top: Any) -> tuple[type, Any]:
-    vision = {**_VISION, "model_type": "siglip2_vision_model"}
+    vision = {**_SMALL_VISION, "model_type": "siglip2_vision_model"}
     del vision["image_size"]
     config = transformers.Lfm2VlConfig(
         text_config=_text(arch, **text), vision_config=vision, image_token_id=500, **top
@@ -186,7 +156,7 @@ def _lighton_ocr(arch: str, text: dict, **top: Any) -> tuple[type, Any]:
 def _cohere2_vision(arch: str, text: dict, **top: Any) -> tuple[type, Any]:
     config = transformers.Cohere2VisionConfig(
         text_config=_text(arch, **text),
-        vision_config={**_VISION, "model_type": "siglip_vision_model"},
+        vision_config={**_SMALL_VISION, "model_type": "siglip_vision_model"},
         image_token_id=500,
         alignment_intermediate_size=64,
         **top,
@@ -204,7 +174,7 @@ def _voxtral(arch: str, text: dict, **top: Any) -> tuple[type, Any]:
 
 
 def _idefics3(name: str, text: dict, **top: Any) -> tuple[type, Any]:
-    vision = {**_VISION, "model_type": f"{name.lower()}_vision"}
+    vision = {**_SMALL_VISION, "model_type": f"{name.lower()}_vision"}
     config = getattr(transformers, f"{name}Config")(
         text_config=_text("llama", **text),
         vision_config=vision,
@@ -216,7 +186,7 @@ def _idefics3(name: str, text: dict, **top: Any) -> tuple[type, Any]:
 
 
 def _internvl(arch: str, text: dict, **top: Any) -> tuple[type, Any]:
-    vision = {**_VISION, "image_size": [28, 28], "patch_size": [14, 14]}
+    vision = {**_SMALL_VISION, "image_size": [28, 28], "patch_size": [14, 14]}
     config = transformers.InternVLConfig(
         text_config=_text(arch, **text), vision_config=vision, image_token_id=500, **top
     )
@@ -226,7 +196,7 @@ def _internvl(arch: str, text: dict, **top: Any) -> tuple[type, Any]:
 def _aya_vision(text: dict, **top: Any) -> tuple[type, Any]:
     config = transformers.AyaVisionConfig(
         text_config=_text("cohere2", **text),
-        vision_config={**_VISION, "model_type": "siglip_vision_model"},
+        vision_config={**_SMALL_VISION, "model_type": "siglip_vision_model"},
         image_token_index=500,
         alignment_intermediate_size=64,
         **top,
@@ -236,7 +206,7 @@ def _aya_vision(text: dict, **top: Any) -> tuple[type, Any]:
 
 def _llama4(text: dict, **top: Any) -> tuple[type, Any]:
     widths = {"vision_output_dim": 32, "projector_input_dim": 32, "projector_output_dim": 32}
-    vision = transformers.Llama4VisionConfig(**_VISION, **widths)
+    vision = transformers.Llama4VisionConfig(**_SMALL_VISION, **widths)
     config = transformers.Llama4Config(
         text_config=_text("llama4", **text), vision_config=vision.to_dict(), **top
     )
@@ -244,7 +214,7 @@ def _llama4(text: dict, **top: Any) -> tuple[type, Any]:
 
 
 def _idefics2(text: dict, **top: Any) -> tuple[type, Any]:
-    vision = {**_VISION, "model_type": "idefics2_vision"}
+    vision = {**_SMALL_VISION, "model_type": "idefics2_vision"}
     perceiver = {"resampler_n_latents": 4, "resampler_depth": 1, "resampler_n_heads": 2}
     perceiver |= {"resampler_head_dim": 16, "num_key_value_heads": 1}
     config = transformers.Idefics2Config(
@@ -261,24 +231,11 @@ def _aya_vision_cohere() -> tuple[type, Any]:
     text = _text("cohere", use_qk_norm=False, logit_scale=0.25, layer_norm_eps=1e-5)
     config = transformers.AyaVisionConfig(
         text_config=text,
-        vision_config={**_VISION, "model_type": "siglip_vision_model"},
+        vision_config={**_SMALL_VISION, "model_type": "siglip_vision_model"},
         image_token_index=500,
         alignment_intermediate_size=64,
     )
     return transformers.AyaVisionForConditionalGeneration, config
-
-
-_TINY_TEXT = {
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 1024,
-    "rms_norm_eps": 1e-5,
-    "vocab_size": 512,
-    **_COMMON,
-}
 
 
 def _qwen_vl(version: str, text: dict, rope: dict, **top: Any) -> tuple[type, Any]:
@@ -287,7 +244,7 @@ def _qwen_vl(version: str, text: dict, rope: dict, **top: Any) -> tuple[type, An
     name = {"2": "Qwen2VL", "2_5": "Qwen2_5_VL", "3": "Qwen3VL"}[version]
     rope = {"rope_type": "default", "rope_theta": 10_000.0, **rope}
     text_config = getattr(transformers, f"{name}TextConfig")(
-        **{**_TINY_TEXT, **text}, rope_parameters=rope
+        **{**_LLAMA_LIKE, **text}, rope_parameters=rope
     )
     if version == "2":
         vision = {"depth": 1, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "mlp_ratio": 2}
@@ -311,7 +268,7 @@ def _qwen3_vl_moe(text: dict, **top: Any) -> tuple[type, Any]:
     }
     moe = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
     text_config = transformers.Qwen3VLMoeTextConfig(
-        **{**_TINY_TEXT, "head_dim": 32, **moe, **text}, rope_parameters=rope
+        **{**_LLAMA_LIKE, "head_dim": 32, **moe, **text}, rope_parameters=rope
     )
     vision = {**_QWEN_VISION, "num_position_embeddings": 16, "deepstack_visual_indexes": [0]}
     config = transformers.Qwen3VLMoeConfig(
@@ -325,7 +282,7 @@ def _mllama(text: dict, **top: Any) -> tuple[type, Any]:
     vision |= {"num_global_layers": 1, "attention_heads": 4, "image_size": 16, "patch_size": 8}
     vision |= {"max_num_tiles": 2, "supported_aspect_ratios": [[1, 1], [1, 2], [2, 1]]}
     vision |= {"intermediate_layers_indices": [0, 1], "vision_output_dim": 96}
-    base = {**_TINY_TEXT, "num_hidden_layers": 3, "cross_attention_layers": [1]}
+    base = {**_LLAMA_LIKE, "num_hidden_layers": 3, "cross_attention_layers": [1]}
     config = transformers.MllamaConfig(
         text_config={**base, **text},
         vision_config=vision,
@@ -998,7 +955,7 @@ def test_llava_keeps_its_text_models_logit_rules(name, tmp_path):
 
 def _internvl_clip_text() -> tuple[type, Any]:
     text = transformers.CLIPTextConfig(hidden_size=32, intermediate_size=64, num_attention_heads=2)
-    vision = {**_VISION, "image_size": [28, 28], "patch_size": [14, 14]}
+    vision = {**_SMALL_VISION, "image_size": [28, 28], "patch_size": [14, 14]}
     config = transformers.InternVLConfig(text_config=text.to_dict(), vision_config=vision)
     return transformers.InternVLForConditionalGeneration, config
 
@@ -1030,7 +987,7 @@ def test_blip2_with_any_text_model_is_its_language_model(tmp_path):
     qformer |= {"num_attention_heads": 2}
     config = transformers.Blip2Config(
         text_config=_text("olmo2"),
-        vision_config=_VISION,
+        vision_config=_SMALL_VISION,
         qformer_config=qformer,
         num_query_tokens=2,
         image_token_index=500,

@@ -154,19 +154,21 @@ def _lfm2_vl(**top) -> tuple[type, object]:
     return transformers.Lfm2VlForConditionalGeneration, config
 
 
+_PIXTRAL_VISION = {
+    "model_type": "pixtral",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "head_dim": 16,
+    "image_size": 56,
+    "patch_size": 14,
+}
+
+
 def _mistral3(text: dict, **top) -> tuple[type, object]:
-    vision = {
-        "model_type": "pixtral",
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 1,
-        "num_attention_heads": 2,
-        "head_dim": 16,
-        "image_size": 56,
-        "patch_size": 14,
-    }
     config = transformers.Mistral3Config(
-        text_config=text, vision_config=vision, image_token_index=511, **top
+        text_config=text, vision_config=_PIXTRAL_VISION, image_token_index=511, **top
     )
     return transformers.Mistral3ForConditionalGeneration, config
 

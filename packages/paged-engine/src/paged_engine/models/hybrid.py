@@ -146,14 +146,17 @@ class HybridModel(nn.Module):
         for t in types:
             n = sum(i >= 0 for i in self.kv_index)
             self.kv_index.append(n if has_kv(t) else -1)
+        # kv_caches holds this stage's KV layers only: the first is the model's KV layer
+        # `kv_first` (0 but on a later pipeline stage)
+        self.kv_first = sum(i >= 0 for i in self.kv_index[: self.stage.start])
 
     def forward(self, input_ids, positions, kv_caches, md, hidden=None) -> torch.Tensor:
         """This stage's layers over x; `kv_caches` holds this stage's KV layers' caches only
-        (its first is KV layer `first` of the model). The final norm on the last stage."""
+        (its first is KV layer `kv_first` of the model). The final norm on the last stage."""
         x = stage_input(self, input_ids, hidden)
         if self.rotary_emb is not None:
             self.rotary_emb.begin_forward(positions)
-        first = sum(i >= 0 for i in self.kv_index[: self.stage.start])
+        first = self.kv_first
         for i in range(self.stage.start, self.stage.end):
             k = self.kv_index[i]
             x = self.layers[i](positions, x, kv_caches[k - first] if k >= 0 else None, md)

@@ -117,7 +117,7 @@ def test_text_message_shape_and_usage(srv: SimpleNamespace) -> None:
     params = srv.engine.params[r["id"] + "-0"]
     assert (params.temperature, params.top_k, params.top_p, params.max_tokens) == (0.5, 4, 0.9, 100)
     count = _post(srv, "", "/v1/messages/count_tokens", system="Be brief.", max_tokens=None)
-    assert count == (200, {"input_tokens": n})
+    assert count == (200, {"input_tokens": n, "context_management": {"original_input_tokens": n}})
     # the SDKs' beta clients add a query string
     status, beta = _post(srv, "Hi.", "/v1/messages?beta=true")
     assert status == 200 and beta["content"] == [{"type": "text", "text": "Hi."}], beta
@@ -314,7 +314,7 @@ def test_output_format_constrains_the_output(srv: SimpleNamespace) -> None:
         ({"max_tokens": None}, "max_tokens"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"messages": []}, "messages"),
-        ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
         ({"messages": [{"role": "user", "content": [{"type": "document"}]}]}, "'document'"),
         (
             {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},

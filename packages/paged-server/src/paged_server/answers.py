@@ -160,18 +160,21 @@ def stream(
     thinks = None if reasoning is None else [ReasoningOutput(reasoning) for _ in choices]
     h.start_stream()
 
-    num_prompt = sum(prompt_lengths(req, ids))
+    lengths = prompt_lengths(req, ids)
 
-    def chunk(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    def chunk(entries: list[dict[str, Any]], ci: int) -> dict[str, Any]:
+        """A chunk of choice `ci`; with continuous usage, vLLM's: that choice's prompt and the
+        tokens it generated so far."""
         body = envelope(rid, obj, model, created)
         body["choices"] = entries
         if req.include_usage:
-            n_prompt = num_prompt
-            if app.encoder_decoder:  # the server's ids were the encoder prompt's
-                n_prompt = sum(prompt_tokens(o, chat) for o in group.latest if o is not None)
-            body["usage"] = (
-                usage(n_prompt, group.num_generated_tokens) if req.continuous_usage else None
-            )
+            body["usage"] = None
+            if req.continuous_usage:
+                out = group.latest[ci // n]
+                n_prompt = lengths[ci // n]
+                if app.encoder_decoder and out is not None:  # the ids were the encoder's
+                    n_prompt = prompt_tokens(out, chat)
+                body["usage"] = usage(n_prompt, choices[ci].num_tokens)
         return body
 
     for i in range(len(choices) if chat else 0):  # the role comes first, once per choice
@@ -183,7 +186,8 @@ def stream(
                     "logprobs": None,
                     "finish_reason": None,
                 }
-            ]
+            ],
+            i,
         )
         if req.return_token_ids and i == 0:  # vLLM: the prompt's ids in the first chunk
             first["prompt_token_ids"] = ids[0]
@@ -216,7 +220,7 @@ def stream(
                 entry = tool_outs[ci].rewrite(entry)
             if entry is not None:
                 for part in _finish_apart(entry):
-                    h.send_event(chunk([part]))
+                    h.send_event(chunk([part], ci))
     n_prompt = sum(prompt_tokens(out, chat) for out in group.latest)
     n_gen = group.num_generated_tokens
     h.log_extra = f" prompt_tokens={n_prompt} gen_tokens={n_gen} stream"

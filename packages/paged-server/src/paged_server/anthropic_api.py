@@ -168,7 +168,9 @@ def serve_count_tokens(app: OpenAIApp, h: Handler) -> None:
     with messages_params():
         app._resolve(req.chat.model)
         _, ids, _ = app._chat_prompt(req.chat)
-    h.send_json(200, {"input_tokens": len(ids)})
+    # vLLM's: context_management reports the count before any trimming (none here)
+    n = len(ids)
+    h.send_json(200, {"input_tokens": n, "context_management": {"original_input_tokens": n}})
 
 
 def _whole(

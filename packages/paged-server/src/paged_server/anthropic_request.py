@@ -9,11 +9,18 @@ text is opaque), its `tool_use` blocks its `tool_calls`; a user turn's `tool_res
 one `tool` message each, where they stand among the turn's other blocks (their images, which a
 tool message cannot hold, open the user message after them). A conversation that
 ends with the assistant's turn is continued (Anthropic's prefill), as `continue_final_message`.
+As vLLM reads them: `system` turns inside `messages` add their text to the system prompt (one
+system message first, after the top-level `system`); the roles "ctx" and "msg" (newer Claude
+Code) are user turns; a system text block that is Claude Code's per-request
+`x-anthropic-billing-header` is dropped (its changing hash would defeat the prefix cache);
+`tool_reference` blocks (naming a deferred tool to load) are dropped: every tool is rendered.
 
 `thinking` ({"type": "enabled", "budget_tokens": N} / "disabled" / "adaptive") sets the chat
 template's `enable_thinking` (and `thinking`, DeepSeek's name); the budget becomes
 `thinking_token_budget` when the server knows the reasoning markers (--reasoning-parser).
 `output_config.format` (and the older `output_format`) JSON schema becomes structured output.
+vLLM's extras pass on to the chat path: `chat_template_kwargs` (over what `thinking` sets) and
+`kv_transfer_params`.
 Errors name the Anthropic field (`stop_sequences`, `messages[2].content[0].tool_use_id`).
 """
 
@@ -30,7 +37,7 @@ from paged_server.openai_protocol import GenerationRequest, parse_chat
 _FIELDS = frozenset({
     "model", "messages", "max_tokens", "system", "stop_sequences", "stream", "temperature",
     "top_p", "top_k", "tools", "tool_choice", "thinking", "metadata", "output_config",
-    "output_format",
+    "output_format", "chat_template_kwargs", "kv_transfer_params",  # (vLLM's extras)
 })  # fmt: skip
 # Accepted and ignored: they change nothing about what is generated here (cache_control:
 # the prefix cache is automatic; context_management: nothing is trimmed, the context is kept).
@@ -40,7 +47,11 @@ _IGNORED = frozenset({
 })  # fmt: skip
 # Fields that need Anthropic's servers (code execution containers, remote MCP servers).
 _NOT_SUPPORTED = frozenset({"container", "mcp_servers"})
-_BLOCKS = ("text", "image", "tool_use", "tool_result", "thinking", "redacted_thinking")
+_BLOCKS = (
+    "text", "image", "tool_use", "tool_result", "thinking", "redacted_thinking", "tool_reference",
+)  # fmt: skip
+_USER_ROLES = {"user": "user", "ctx": "user", "msg": "user"}  # Claude Code's, as vLLM maps them
+_BILLING_HEADER = "x-anthropic-billing-header"
 _IMAGE_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")
 # chat-completions parameter names as the Messages API spells them (errors name these)
 _RENAMED = {
@@ -93,6 +104,15 @@ def _text_blocks(value: Any, param: str) -> list[dict[str, Any]]:
     return parts
 
 
+def _system_parts(value: Any, param: str) -> list[dict[str, Any]]:
+    """System text (a string or text blocks) as chat text parts, less Claude Code's billing
+    header block (a block: a plain string is kept whole, as vLLM keeps it)."""
+    parts = _text_blocks(value, param)
+    if isinstance(value, str):
+        return parts
+    return [p for p in parts if not p["text"].startswith(_BILLING_HEADER)]
+
+
 def _image_url(block: dict[str, Any], param: str) -> str:
     """An image block's source as the URL the chat path loads: base64 data as a data: URL."""
     source = _object(block.get("source"), f"{param}.source")
@@ -125,10 +145,11 @@ def _tool_result(
     if isinstance(content, list):
         texts = []
         for k, b in enumerate(content):
-            if isinstance(b, dict) and b.get("type") == "image":
+            kind = b.get("type") if isinstance(b, dict) else None
+            if kind == "image":
                 p = f"{param}.content[{k}]"
                 pictures.append(_image_part(b, p, images, image_params))
-            else:
+            elif kind != "tool_reference":  # (every tool is rendered: nothing to load)
                 texts.append(b)
         content = texts
     text = "\n".join(p["text"] for p in _text_blocks(content, f"{param}.content"))
@@ -156,8 +177,11 @@ def _message(i: int, m: Any, images: bool, image_params: list[str]) -> list[dict
     if not isinstance(m, dict):
         raise bad_request(f"{param} must be an object", param)
     role = m.get("role")
+    role = _USER_ROLES.get(role, role) if isinstance(role, str) else role
     if role not in ("user", "assistant"):
-        raise bad_request(f"{param}.role must be 'user' or 'assistant', got {role!r}", param)
+        raise bad_request(
+            f"{param}.role must be 'user', 'assistant' or 'system', got {role!r}", param
+        )
     content = m.get("content")
     if isinstance(content, str):
         return [{"role": role, "content": content}]
@@ -183,6 +207,8 @@ def _message(i: int, m: Any, images: bool, image_params: list[str]) -> list[dict
             raise bad_request(f"{p}: {kind} blocks belong to assistant turns", p)
         if kind in ("tool_result", "image") and role != "user":
             raise bad_request(f"{p}: {kind} blocks belong to user turns", p)
+        if kind == "tool_reference":
+            continue
         if kind == "text":
             parts.append({"type": "text", "text": _string(block.get("text"), f"{p}.text")})
         elif kind == "image":
@@ -346,12 +372,17 @@ def parse_messages(
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
         raise bad_request("messages: must be a non-empty list", "messages")
-    messages: list[dict[str, Any]] = []
-    if body.get("system") is not None:
-        messages.append({"role": "system", "content": _text_blocks(body["system"], "system")})
+    system = [] if body.get("system") is None else _system_parts(body["system"], "system")
+    turns: list[dict[str, Any]] = []
     image_params: list[str] = []
     for i, m in enumerate(raw):
-        messages += _message(i, m, images, image_params)
+        if isinstance(m, dict) and m.get("role") == "system":
+            system += _system_parts(m.get("content"), f"messages[{i}].content")
+        else:
+            turns += _message(i, m, images, image_params)
+    messages = ([{"role": "system", "content": system}] if system else []) + turns
+    if not messages:  # system turns of billing headers alone
+        raise bad_request("messages: nothing to answer (no user or assistant turn)", "messages")
     last = messages[-1]
     empty = not (last["content"] or last.get("tool_calls"))
     if last["role"] == "assistant" and empty and len(messages) > 1:
@@ -376,6 +407,9 @@ def parse_messages(
     if choice == "none" and tools is None:
         choice = None
     template_kwargs, budget, show = _thinking(body.get("thinking"), budget_ok)
+    asked = body.get("chat_template_kwargs")  # the client's own variables win over thinking's
+    if asked is not None:
+        template_kwargs = {**template_kwargs, **_object(asked, "chat_template_kwargs")}
     response_format, effort = _output_format(body)
     chat_body = {
         "messages": messages,
@@ -392,6 +426,7 @@ def parse_messages(
         "response_format": response_format,
         "reasoning_effort": effort,
         "chat_template_kwargs": template_kwargs or None,
+        "kv_transfer_params": body.get("kv_transfer_params"),
         "thinking_token_budget": budget,
         "add_generation_prompt": not prefill,
         "continue_final_message": prefill,

@@ -149,6 +149,7 @@ class StreamChoice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     sent_chars: int = 0  # text already streamed (an echo included): the next text_offset
+    num_tokens: int = 0  # tokens generated so far (continuous usage counts them per choice)
     started: bool = False  # its first chunk went out (an echoed prompt leads that one)
     finished: bool = False  # its finish_reason went out: nothing follows
 
@@ -158,6 +159,7 @@ class StreamChoice:
             return False
         self.text += seq.text
         self.token_ids += seq.token_ids
+        self.num_tokens += len(seq.token_ids)
         if seq.logprobs is not None:
             self.logprobs = (self.logprobs or []) + seq.logprobs
         self.finish_reason = seq.finish_reason or ("stop" if request_finished else None)

@@ -471,6 +471,8 @@ def parse_responses(
         raise bad_request("request body must be a JSON object")
     for key in body:
         if key in _NOT_SUPPORTED:
+            if body[key] is None:  # no value (vLLM's: a null `prompt` is accepted)
+                continue
             raise bad_request(f"parameter '{key}' is not supported by this server", key)
         if key not in _FIELDS and key not in _IGNORED:
             raise bad_request(f"Unrecognized request argument supplied: {key}", key)

@@ -1,5 +1,6 @@
-"""vLLM's prompt dicts (`vllm.inputs`), for type hints and ports: plain dicts at run time, the
-forms every `prompt` argument takes besides a string or a list of token ids."""
+"""vLLM's prompt dicts and prompt type names (`vllm.inputs`), for type hints and ports: plain
+dicts at run time, the forms every `prompt` argument takes besides a string or a list of token
+ids."""
 
 from __future__ import annotations
 
@@ -36,7 +37,11 @@ class EmbedsPrompt(_Embeds, total=False):
     cache_salt: str
 
 
-PromptType = str | list[int] | TextPrompt | TokensPrompt | EmbedsPrompt
+DecoderOnlyPrompt = str | list[int] | TextPrompt | TokensPrompt | EmbedsPrompt
+# one side of an encoder-decoder prompt (no prompt_embeds)
+EncoderPrompt = str | list[int] | TextPrompt | TokensPrompt
+DecoderPrompt = EncoderPrompt
+SingletonPrompt = DecoderOnlyPrompt
 
 
 class _EncoderPrompt(TypedDict):
@@ -48,6 +53,12 @@ class ExplicitEncoderDecoderPrompt(_EncoderPrompt, total=False):
     it; decoder_prompt None or absent: [bos_token_id] after decoder_start_token_id."""
 
     decoder_prompt: Any  # the same forms, or None
+
+
+# an encoder-decoder model also takes a lone encoder prompt (its decoder prompt: the default)
+EncoderDecoderPrompt = EncoderPrompt | ExplicitEncoderDecoderPrompt
+# what every `LLM` method's prompts take, whatever the model
+PromptType = DecoderOnlyPrompt | ExplicitEncoderDecoderPrompt
 
 
 def zip_enc_dec_prompts(

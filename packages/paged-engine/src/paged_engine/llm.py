@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import numbers
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -35,6 +36,7 @@ from paged_engine.multimodal.chat_media import split_media
 from paged_engine.multimodal.processor_cache import ProcessorCache
 from paged_engine.offline_args import (
     TokenizationOptions,
+    chat_template_variables,
     conversations,
     per_prompt,
     tokenization_options,
@@ -115,7 +117,7 @@ class LLM:
             len(prompt_list),
             "sampling_params",
             (SamplingParams, BeamSearchParams),
-            self.get_default_sampling_params() if sampling_params is None else None,
+            self.get_default_sampling_params,
         )
         prompt_list, params_list = self._tokenize_as(opts, prompt_list, params_list)
         prompt_list, params_list = self._cut_on_side(opts, prompt_list, params_list)
@@ -191,6 +193,8 @@ class LLM:
         template as transformers passes them; `continue_final_message` renders the last
         (assistant) message open for the model to go on with, instead of a generation prompt;
         `chat_template_kwargs` are extra template variables (e.g. {"enable_thinking": False});
+        a key named as one of the arguments gives way to it, or fills it where it is None
+        (vLLM's merge; offline_args.chat_template_variables);
         `chat_template_content_format` (vLLM's; multimodal/chat_format.py): "string" makes each
         message's parts one string, its images, videos and audio written as the model's
         placeholder text before the text parts; "openai" keeps the parts; "auto" reads the
@@ -203,6 +207,18 @@ class LLM:
         prompt ids as mistral_common does (mistral_chat.py) unless `chat_template` is given.
         `tokenization_kwargs` as `generate`'s; the rendered text is encoded without special
         tokens (the template holds them) unless it says add_special_tokens=True."""
+        variables, args = chat_template_variables(
+            chat_template_kwargs,
+            {
+                "add_generation_prompt": add_generation_prompt,
+                "continue_final_message": continue_final_message,
+                "tools": tools,
+                "chat_template": chat_template,
+            },
+        )
+        add_generation_prompt = args["add_generation_prompt"]
+        continue_final_message = args["continue_final_message"]
+        tools, chat_template = args["tools"], args["chat_template"]
         if continue_final_message and add_generation_prompt:
             raise ValueError(
                 "continue_final_message and add_generation_prompt cannot both be True: pass "
@@ -213,10 +229,8 @@ class LLM:
             isinstance(tools, list) and all(isinstance(t, dict) for t in tools)
         ):
             raise ValueError("tools must be a list of tool definitions (dicts)")
-        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
-            raise ValueError(
-                f"chat_template_kwargs must be a dict or None, got {chat_template_kwargs!r:.200}"
-            )
+        if chat_template is not None and not isinstance(chat_template, str):
+            raise ValueError(f"chat_template must be a str or None, got {chat_template!r:.200}")
         opts = tokenization_options(tokenization_kwargs)
         prompts, token_prompts = [], []
         tok = self.llm_engine.tokenizer
@@ -250,7 +264,7 @@ class LLM:
                         add_generation_prompt=add_generation_prompt,
                         continue_final_message=continue_final_message,
                         **({"tools": tools} if tools is not None else {}),
-                        **(chat_template_kwargs or {}),
+                        **variables,
                     )
                 except TemplateError as e:  # a template's own raise_exception, a bad template
                     raise ValueError(f"could not apply the chat template: {e}") from e
@@ -372,7 +386,7 @@ class LLM:
         opts = tokenization_options(tokenization_kwargs)
         prompt_list = _as_prompt_list(prompts)
         params_list = per_prompt(
-            pooling_params, len(prompt_list), "pooling_params", (PoolingParams,), PoolingParams()
+            pooling_params, len(prompt_list), "pooling_params", (PoolingParams,), PoolingParams
         )
         if truncate_prompt_tokens is not None:  # over each params' own (validated there)
             params_list = [
@@ -668,8 +682,9 @@ class LLM:
             engine.abort_request(ids)  # a bad prompt rejects the whole call; nothing stays queued
             raise
         results: dict[str, Any] = {}
-        bar = _progress(len(ids), use_tqdm) if use_tqdm else None
-        try:
+        bar = None
+        try:  # (the bar too: a use_tqdm that raises must not leave the requests queued)
+            bar = _progress(len(ids), use_tqdm) if use_tqdm else None
             while engine.has_unfinished_requests():
                 for out in engine.step():
                     if out.finished:
@@ -737,13 +752,15 @@ def _check_max_length(num_tokens: int, max_length: int | None) -> None:
 
 
 def _with_task(params: PoolingParams | Sequence[PoolingParams], task: str) -> Any:
-    """`params` (one, or one per prompt) set to run `task`; ValueError naming pooling_task
-    when one already names another task (vLLM's rule)."""
+    """`params` (one, or one per prompt: None entries are the default) set to run `task`;
+    ValueError naming pooling_task when one already names another task (vLLM's rule)."""
     if isinstance(params, PoolingParams):
         params = [params]
         one = True
     else:
         one = False
+        if isinstance(params, (list, tuple)):
+            params = [PoolingParams() if p is None else p for p in params]
     if not isinstance(params, (list, tuple)) or not all(
         isinstance(p, PoolingParams) for p in params
     ):
@@ -768,7 +785,7 @@ def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptTy
             f"{type(prompts).__name__}"
         )
     prompts = list(prompts)
-    if prompts and all(isinstance(t, (int, float)) for t in prompts):
+    if prompts and all(isinstance(t, (numbers.Integral, float)) for t in prompts):
         return [prompts]  # one prompt given as token ids (a float among them: refused there)
     return prompts
 

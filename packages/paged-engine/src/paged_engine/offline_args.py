@@ -3,11 +3,13 @@ refuses a careless value with a ValueError naming the parameter, before any requ
 engine, so the LLM keeps serving the next call.
 
 - `per_prompt`: `sampling_params` / `pooling_params` as one object or one per prompt (vLLM's
-  `LLM.generate` / `LLM.encode` rule); a str, dict or int is refused by name instead of being
-  iterated.
+  `LLM.generate` / `LLM.encode` rule); a str, dict or int, or a list entry of the other kind
+  (a PoolingParams in `generate`'s list), is refused by name instead of being run.
 - `conversations`: `LLM.chat`'s messages as a list of conversations; every message a dict with a
   string role and content that is a string, a list of parts or None (OpenAI's message shape, as
   vLLM's chat_utils reads it), so a message without a role is not rendered as an empty one.
+- `chat_template_variables`: `LLM.chat`'s chat_template_kwargs merged with its own arguments as
+  vLLM merges them (an argument wins unless it is None), so no key is passed twice.
 - `tokenization_options`: vLLM's `tokenization_kwargs` (the keys its renderer reads) as a
   `TokenizationOptions`.
 """
@@ -15,6 +17,7 @@ engine, so the LLM keeps serving the next call.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,16 +25,22 @@ logger = logging.getLogger(__name__)
 
 
 def per_prompt(
-    params: Any, num_prompts: int, name: str, kinds: tuple[type, ...], default: Any = None
+    params: Any,
+    num_prompts: int,
+    name: str,
+    kinds: tuple[type, ...],
+    default: Callable[[], Any],
 ) -> list[Any]:
-    """`params` as one entry per prompt: None (-> `default`), one of `kinds` for every prompt,
-    or a list / tuple of exactly `num_prompts` (its entries are checked where they are used)."""
+    """`params` as one entry per prompt: one of `kinds` for every prompt, or a list / tuple of
+    exactly `num_prompts` of them; None (the whole argument or an entry) is `default()`. An
+    entry of another kind is refused by name (`name[i]`): the engine would run it as what it
+    is, e.g. a PoolingParams given to `generate` as an embedding, and return its output."""
+    kinds_text = " or ".join(k.__name__ for k in kinds)
     if params is None:
-        return [default] * num_prompts
+        return [default()] * num_prompts
     if isinstance(params, kinds):
         return [params] * num_prompts
     if not isinstance(params, (list, tuple)):
-        kinds_text = " or ".join(k.__name__ for k in kinds)
         raise ValueError(
             f"{name} must be a {kinds_text}, a list of one per prompt, or None; got "
             f"{type(params).__name__}"
@@ -40,7 +49,16 @@ def per_prompt(
         raise ValueError(
             f"got {num_prompts} prompts but {len(params)} {name}: pass one, or one per prompt"
         )
-    return list(params)
+    fallback = None
+    out = []
+    for i, p in enumerate(params):
+        if p is None:
+            fallback = default() if fallback is None else fallback
+            p = fallback
+        elif not isinstance(p, kinds):
+            raise ValueError(f"{name}[{i}] must be a {kinds_text} or None, got {type(p).__name__}")
+        out.append(p)
+    return out
 
 
 def conversations(messages: Any) -> list[list[dict]]:
@@ -81,6 +99,54 @@ def _check_conversation(conv: list | tuple, where: str) -> None:
                 f"{at}.content must be a string, a list of content parts or None, got "
                 f"{type(content).__name__}"
             )
+
+
+# LLM.chat's own render arguments: a chat_template_kwargs key of the same name gives way to
+# the argument, or fills it where the argument is None (vLLM's merge), never goes twice.
+_CHAT_ARGS = frozenset(
+    {"add_generation_prompt", "continue_final_message", "tools", "chat_template"}
+)
+# transformers' switches for what apply_chat_template returns: chat renders text (vLLM forces
+# both off)
+_RETURN_SWITCHES = frozenset({"tokenize", "return_dict"})
+# the conversation itself, which `messages` gives
+_CONVERSATION = frozenset({"messages", "conversation"})
+
+
+def chat_template_variables(
+    kwargs: Any, args: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the template's extra variables, `args` completed) from LLM.chat's chat_template_kwargs
+    and its own render arguments `args` (add_generation_prompt, continue_final_message, tools,
+    chat_template). ValueError naming a key that is no variable (not a str, or the
+    conversation); keys the arguments or the text rendering decide are left out with a warning
+    when they would have changed something."""
+    if kwargs is None:
+        return {}, args
+    if not isinstance(kwargs, dict):
+        raise ValueError(f"chat_template_kwargs must be a dict or None, got {kwargs!r:.200}")
+    args = dict(args)
+    variables: dict[str, Any] = {}
+    for key, value in kwargs.items():
+        if not isinstance(key, str):
+            raise ValueError(f"chat_template_kwargs keys must be strings, got {key!r:.80}")
+        if key in _CONVERSATION:
+            raise ValueError(
+                f"chat_template_kwargs[{key!r}] would replace the conversation: pass it as messages"
+            )
+        if key in _CHAT_ARGS:
+            if args.get(key) is None:
+                args[key] = value
+            elif value != args[key]:
+                logger.warning(
+                    "chat_template_kwargs[%r] is ignored: the %s argument decides", key, key
+                )
+        elif key in _RETURN_SWITCHES:
+            if value:
+                logger.warning("chat_template_kwargs[%r] is ignored: chat renders text", key)
+        else:
+            variables[key] = value
+    return variables, args
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,6 +21,7 @@ activation (classification.py): `LLM.classify`, and `LLM.score` for a cross-enco
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -76,6 +77,10 @@ class PoolingParams:
             raise ValueError(f"use_activation must be a bool or None, got {self.use_activation!r}")
         if self.task is not None and self.task not in POOLING_TASKS:
             raise ValueError(f"task must be one of {POOLING_TASKS} or None, got {self.task!r}")
+
+    def clone(self) -> PoolingParams:
+        """vLLM's: a copy sharing nothing with self."""
+        return copy.deepcopy(self)
 
 
 def is_pooling(params: Any) -> bool:

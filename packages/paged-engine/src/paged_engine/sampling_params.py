@@ -10,6 +10,7 @@ import copy
 import dataclasses
 import enum
 import math
+import numbers
 import operator
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,11 +43,15 @@ class SamplingType(enum.IntEnum):
 
 def _as_float(name: str, value: object) -> float:
     """A finite float: NaN / inf would poison every comparison and score downstream."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):  # (numpy's too)
         raise ValueError(f"{name} must be a number, got {value!r:.200} ({type(value).__name__}).")
-    if not math.isfinite(value):
+    try:
+        number = float(value)  # (an int past float's range raises OverflowError)
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number):
         raise ValueError(f"{name} must be a finite number, got {value!r:.200}.")
-    return float(value)
+    return number
 
 
 def _as_output_kind(value: object) -> RequestOutputKind:
@@ -68,6 +73,19 @@ def _check_early_stopping(value: object) -> None:
     # `1 in (True, False)` holds, but the beam search tests `is True`: only real bools pass.
     if not (isinstance(value, bool) or value == "never"):
         raise ValueError(f"early_stopping must be True, False or 'never', got {value!r:.200}.")
+
+
+# A beam's score divides by generated_len ** length_penalty, a float: within this bound it is
+# finite and non-zero for every length up to 2**20 tokens (2**(20 * 50) < 2**1024).
+MAX_LENGTH_PENALTY = 50.0
+
+
+def _check_length_penalty(value: float) -> None:
+    if abs(value) > MAX_LENGTH_PENALTY:
+        raise ValueError(
+            f"length_penalty must be in [-{MAX_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}] (beam "
+            f"scores divide by length ** length_penalty), got {value!r}."
+        )
 
 
 def _check_bools(obj: object, names: tuple[str, ...]) -> None:
@@ -323,6 +341,7 @@ class SamplingParams:
             )
         if self.use_beam_search:
             self._verify_beam_search()
+            _check_length_penalty(self.length_penalty)
         self.all_stop_token_ids = set(self.stop_token_ids)
         if self.stop and not self.include_stop_str_in_output:
             self.output_text_buffer_length = max(len(s) for s in self.stop) - 1
@@ -562,14 +581,20 @@ def _check_token_rules(p: SamplingParams) -> None:
         bias: dict[int, float] = {}
         for key, value in p.logit_bias.items():
             token = _token_id("logit_bias", key)
-            bias[token] = min(100.0, max(-100.0, _as_float(f"logit_bias[{key!r:.200}]", value)))
+            if isinstance(value, numbers.Real) and not isinstance(value, bool) and value == value:
+                # clamped as vLLM's from_optional does; -inf (vLLM: "never") and ints past
+                # float's range too
+                value = 100.0 if value > 100 else -100.0 if value < -100 else value
+            bias[token] = _as_float(f"logit_bias[{key!r:.200}]", value)
         p.logit_bias = bias
     if p.allowed_token_ids is not None:
         ids = p.allowed_token_ids
         if not isinstance(ids, (list, tuple)) or not ids:
             raise ValueError(f"allowed_token_ids must be a non-empty list of ids, got {ids!r:.200}")
         p.allowed_token_ids = [_token_id("allowed_token_ids", t) for t in ids]
-    if p.bad_words is not None:
+    if p.bad_words is None:
+        p.bad_words = []  # vLLM's: an empty list, not None
+    else:
         words = p.bad_words
         if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) and w for w in words):
             raise ValueError(f"bad_words must be a list of non-empty strings, got {words!r:.200}")
@@ -615,6 +640,7 @@ class BeamSearchParams:
         self.max_tokens = _as_int("max_tokens", self.max_tokens, optional=True)
         self.temperature = _as_float("temperature", self.temperature)
         self.length_penalty = _as_float("length_penalty", self.length_penalty)
+        _check_length_penalty(self.length_penalty)
         if self.beam_width < 1:
             raise ValueError(f"beam_width must be at least 1, got {self.beam_width}.")
         if self.max_tokens is not None and self.max_tokens < 1:

@@ -6,6 +6,7 @@ Everything that can be wrong with a request is caught here, before the scheduler
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,13 +33,16 @@ VIDEO_ONLY = ("fps", "do_sample_frames")
 
 
 def check_token_ids(ids: list | tuple, vocab_size: int, what: str) -> list[int]:
-    """`ids` as a list, or ValueError naming `what` unless each is an int in [0, vocab_size)."""
+    """`ids` as a list of ints, or ValueError naming `what` unless each is an integer (numpy's
+    too: `list(array)` holds them) in [0, vocab_size)."""
     bad = [
-        t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size
+        t
+        for t in ids
+        if not isinstance(t, numbers.Integral) or isinstance(t, bool) or not 0 <= t < vocab_size
     ]
     if bad:
         raise ValueError(f"{what} token ids must be ints in [0, {vocab_size}); got {bad[:5]}")
-    return list(ids)
+    return [int(t) for t in ids]
 
 
 @dataclass(slots=True)
@@ -115,7 +119,7 @@ class InputProcessor:
         mm_data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
         mm_inputs: tuple = ()
         if isinstance(prompt, dict) and "prompt_embeds" in prompt:
-            text, token_ids, mm_inputs = None, *self._prompt_embeds(prompt, params)
+            text, token_ids, mm_inputs = prompt.get("prompt"), *self._prompt_embeds(prompt, params)
         else:
             # A text prompt of a text-only request is truncated by the tokenizer (vLLM's
             # renderer): its special tokens stay; token ids are sliced below.
@@ -251,9 +255,12 @@ class InputProcessor:
                 "prompt_embeds needs an engine started with enable_prompt_embeds=True "
                 "(paged-server --enable-prompt-embeds)"
             )
-        both = sorted({"prompt", "prompt_token_ids", "multi_modal_data"} & set(prompt))
+        both = sorted({"prompt_token_ids", "multi_modal_data"} & set(prompt))
         if both:
             raise ValueError(f"prompt_embeds comes alone: drop {both} from the prompt dict")
+        text = prompt.get("prompt")  # vLLM's: the rows' text, for the outputs only
+        if text is not None and not isinstance(text, str):
+            raise ValueError(f"prompt (beside prompt_embeds) must be a str, got {text!r:.80}")
         if getattr(params, "prompt_logprobs", None) is not None:
             raise ValueError("prompt_logprobs: a prompt given as prompt_embeds has no tokens")
         assert self.config.max_model_len is not None

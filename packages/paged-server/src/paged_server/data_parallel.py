@@ -67,6 +67,10 @@ _NEW_RESPONSE = (_RESPONSES, _RESPONSES + "/input_tokens")
 _RESPONSE_ID = re.compile(r"[A-Za-z0-9_-]+")  # what a replica's response ids are made of
 
 
+class _Unreached(Exception):
+    """A replica's connection failed before any byte of the request was sent."""
+
+
 class Answer(NamedTuple):
     """One replica's whole answer, as the front passes it on."""
 
@@ -139,12 +143,19 @@ class ReplicaRouter:
                 return self._update_loras(handler, route, body, parsed)
             if method == "POST" and route in _NEW_RESPONSE and isinstance(parsed, dict):
                 holder = self._holder(handler, parsed.get("previous_response_id"))
-        replica = self._pick(cost, holder)
-        try:
-            self._forward(handler, replica, method, body)
-        finally:
-            with self._lock:
-                replica.tokens_in_flight -= cost
+        tried: set[int] = set()
+        while True:
+            replica = self._pick(cost, holder, tried)
+            try:
+                return self._forward(handler, replica, method, body)
+            except _Unreached as e:  # nothing sent: another replica may take it
+                tried.add(replica.index)
+                if holder is not None or len(tried) == len(self.replicas):
+                    raise APIError(502, str(e)) from e
+                log.warning("%s; trying another replica", e)
+            finally:
+                with self._lock:
+                    replica.tokens_in_flight -= cost
 
     # ---- routing ---------------------------------------------------------------------------
     def _live(self) -> list[Replica]:
@@ -153,30 +164,47 @@ class ReplicaRouter:
             raise APIError(503, "no engine replica is running")
         return live
 
-    def _pick(self, cost: int, holder: Replica | None = None) -> Replica:
-        """`holder` when it is given and running, else the least-loaded replica."""
+    def _pick(
+        self, cost: int, holder: Replica | None = None, tried: set[int] | frozenset = frozenset()
+    ) -> Replica:
+        """`holder` when it is given and running, else the least-loaded replica not in
+        `tried` (those that refused this request's connection)."""
         with self._lock:
             if holder is not None and holder.proc.poll() is None:
                 best = holder
             else:
-                best = min(self._live(), key=lambda r: (r.tokens_in_flight, r.index))
+                live = [r for r in self._live() if r.index not in tried]
+                if not live:
+                    raise APIError(503, "no engine replica is running")
+                best = min(live, key=lambda r: (r.tokens_in_flight, r.index))
             best.tokens_in_flight += cost
             return best
 
     def _forward(self, h: Handler, replica: Replica, method: str, body: bytes | None) -> None:
+        """The request to `replica`, its answer to the client. A replica that cannot be
+        reached raises `_Unreached` (nothing was sent); one that answers garbage, breaks off or
+        stalls past `timeout` is a 502 (the client's own socket errors pass through)."""
         conn = replica.connect(self.timeout)
         try:
             try:
+                conn.connect()
+            except OSError as e:
+                raise _Unreached(f"engine replica {replica.index} refused the request: {e}") from e
+            try:
                 conn.request(method, h.path, body=body, headers=_headers(h))
                 resp = conn.getresponse()
-            except OSError as e:
-                raise APIError(502, f"engine replica {replica.index} did not answer: {e}") from e
+            except (OSError, http.client.HTTPException) as e:
+                raise APIError(502, f"engine replica {replica.index} did not answer: {e!r}") from e
             ctype = resp.getheader("Content-Type", "application/json")
             if resp.status == 200 and ctype.startswith("text/event-stream"):
                 h.start_stream()
                 return _relay(h, resp, replica.index)
             extra = {k: v for k in _PASS_RESPONSE_HEADERS if (v := resp.getheader(k))}
-            h.send_bytes(resp.status, resp.read(), ctype, extra)
+            try:
+                data = resp.read()
+            except (OSError, http.client.HTTPException) as e:
+                raise APIError(502, f"engine replica {replica.index} broke off: {e!r}") from e
+            h.send_bytes(resp.status, data, ctype, extra)
         finally:
             conn.close()
 
@@ -285,7 +313,7 @@ class ReplicaRouter:
             conn.request("GET", path)
             resp = conn.getresponse()
             return resp.status, resp.read()
-        except OSError:
+        except (OSError, http.client.HTTPException):
             return 0, b""
         finally:
             conn.close()
@@ -303,7 +331,7 @@ class ReplicaRouter:
             status, text = self._ask(r, "/metrics")
             if status != 200:
                 continue
-            for line in text.decode().splitlines():
+            for line in text.decode(errors="replace").splitlines():
                 if line.startswith("#"):
                     if line not in seen:  # HELP / TYPE once per metric
                         seen.add(line)

@@ -18,6 +18,7 @@ _TYPES = {
     413: "invalid_request_error",
     429: "rate_limit_error",
     500: "internal_server_error",
+    502: "internal_server_error",  # (the data-parallel front: a replica failed)
     501: "invalid_request_error",
     503: "service_unavailable_error",
 }

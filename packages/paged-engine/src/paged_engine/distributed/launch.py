@@ -6,17 +6,23 @@
                                                  the engine, the others serve it (`is_worker_rank`)
 
 Either way the world meets through torch.distributed's own rendezvous (a TCP store on
-localhost, or torchrun's MASTER_ADDR / MASTER_PORT): nothing of our own.
+localhost, or torchrun's MASTER_ADDR / MASTER_PORT): nothing of our own. Under torchrun each
+rank parsed its own arguments: as soon as the world exists they compare what shapes a rank's
+work (`launch_fingerprint`), and every rank refuses a mismatch by name (a rank given another
+model or max_model_len would otherwise serve silently wrong tokens, or stall a collective).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import multiprocessing
 import os
 import socket
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,3 +126,91 @@ def exit_with_parent(poll_s: float = 0.5) -> None:
                 os._exit(1)
 
     threading.Thread(target=watch, name="paged-parent-watch", daemon=True).start()
+
+
+# EngineConfig fields every rank of one engine must share: what a rank loads, how it sizes its
+# buffers and cache, what it runs. (Per-node paths, secrets and front-end options are not here.)
+LAUNCH_FIELDS = (
+    "model",
+    "revision",
+    "load_format",
+    "config_format",
+    "quantization",
+    "hf_overrides",
+    "trust_remote_code",
+    "model_impl",
+    "runner",
+    "convert",
+    "task",
+    "dtype",
+    "kv_cache_dtype",
+    "mamba_ssm_cache_dtype",
+    "max_model_len",
+    "block_size",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "enable_chunked_prefill",
+    "enable_prefix_caching",
+    "prefix_state_snapshots",
+    "num_gpu_blocks_override",
+    "kv_cache_memory_bytes",
+    "seed",
+    "tensor_parallel_size",
+    "pipeline_parallel_size",
+    "speculative_config",
+    "pooler_config",
+    "attention_backend",
+    "enforce_eager",
+    "compilation_config",
+    "batch_invariant",
+    "max_logprobs",
+    "async_scheduling",
+    "worker_extension_cls",
+    "preemption_mode",
+    "swap_space",
+    "cpu_offload_gib",
+    "enable_lora",
+    "max_loras",
+    "max_lora_rank",
+    "max_cpu_loras",
+    "enable_sleep_mode",
+    "limit_mm_per_prompt",
+    "mm_processor_kwargs",
+    "enable_mm_embeds",
+    "enable_prompt_embeds",
+    "kv_transfer_config",
+)
+
+
+def _plain(value: Any) -> Any:
+    """A JSON stand-in for a config value that is not JSON: a dataclass's fields, else the
+    qualified name of the function or class (never a repr with a memory address)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    named = value if hasattr(value, "__qualname__") else type(value)
+    return f"{named.__module__}.{named.__qualname__}"
+
+
+def launch_fingerprint(config: Any) -> dict[str, str]:
+    """`LAUNCH_FIELDS` of `config`, each as canonical JSON."""
+    return {
+        name: json.dumps(getattr(config, name, None), sort_keys=True, default=_plain)
+        for name in LAUNCH_FIELDS
+    }
+
+
+def launch_mismatch(fingerprints: list[dict[str, str]]) -> str | None:
+    """What differs between the ranks' `launch_fingerprint`s (rank i's at index i), or None."""
+    first = fingerprints[0]
+    diffs = []
+    for name in first:
+        values = [f.get(name) for f in fingerprints]
+        if any(v != values[0] for v in values):
+            ranks = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+            diffs.append(f"{name} ({ranks})")
+    if not diffs:
+        return None
+    return (
+        "the ranks of this engine were launched with different arguments; give every rank "
+        "the same command. Differing: " + "; ".join(diffs)
+    )

@@ -25,6 +25,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,21 @@ logger = logging.getLogger(__name__)
 # Workers wait in a receive for rank 0's next step however long the engine idles; gloo would
 # otherwise abort that wait after its default 30 minutes.
 IDLE_TIMEOUT = datetime.timedelta(days=365)
+# How long a rank waits for the others to join the world (then raises, naming the wait); torch's
+# own default. Ranks launched one by one (torchrun, one node each) may start minutes apart, and
+# one that died at start would otherwise keep the others waiting for IDLE_TIMEOUT.
+JOIN_TIMEOUT_ENV, JOIN_TIMEOUT_S = "PAGED_DIST_JOIN_TIMEOUT_S", 1800.0
+
+
+def join_timeout() -> datetime.timedelta:
+    raw = os.environ.get(JOIN_TIMEOUT_ENV, "").strip()
+    try:
+        seconds = float(raw) if raw else JOIN_TIMEOUT_S
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ValueError(f"{JOIN_TIMEOUT_ENV}={raw!r} is invalid: a positive number of seconds")
+    return datetime.timedelta(seconds=seconds)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,17 +107,38 @@ def init_parallel_state(
     pp_size: int,
     device: torch.device,
     init_method: str,
+    fingerprint: dict[str, str] | None = None,
 ) -> ParallelState:
     """Join the world (`init_method`: "env://" under torchrun, "tcp://host:port" otherwise) and
-    build the groups. Every rank calls this with the same sizes; new_group is collective."""
+    build the groups. Every rank calls this with the same sizes; new_group is collective.
+    `fingerprint` (ranks that parsed their own arguments: launch.py `launch_fingerprint`): the
+    ranks compare theirs over the first (gloo) group, before any sized by tp / pp, and each
+    raises ValueError naming what differs (having left the world)."""
     global _state
     check_not_in_world()
     world_size = tp_size * pp_size
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(
-        backend, init_method=init_method, world_size=world_size, rank=rank, timeout=IDLE_TIMEOUT
-    )
+    joining = join_timeout()
+    try:  # the rendezvous and every group's setup bounded; the world's waits after: IDLE_TIMEOUT
+        dist.init_process_group(
+            backend, init_method=init_method, world_size=world_size, rank=rank, timeout=joining
+        )
+    except (RuntimeError, TimeoutError) as e:  # (torch's DistStoreError is a RuntimeError)
+        raise RuntimeError(
+            f"rank {rank} of {world_size}: the other ranks did not join the world "
+            f"({init_method}) within {joining.total_seconds():.0f}s ({JOIN_TIMEOUT_ENV}); did "
+            f"one fail at start? Its own log says why. ({e})"
+        ) from e
     cpu_group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+    if fingerprint is not None:  # over gloo: no device state is needed to compare them
+        from paged_engine.distributed.launch import launch_mismatch
+
+        every: list[Any] = [None] * world_size
+        dist.all_gather_object(every, fingerprint, group=cpu_group)
+        mismatch = launch_mismatch(every)
+        if mismatch is not None:
+            dist.destroy_process_group()
+            raise ValueError(mismatch)
     fail_group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
     tp_group = pp_group = None
     for stage in range(pp_size):  # every rank creates every group, in the same order
@@ -114,6 +151,7 @@ def init_parallel_state(
         group = dist.new_group(ranks, backend=backend)
         if rank in ranks:
             pp_group = group
+    dist.distributed_c10d._set_pg_timeout(IDLE_TIMEOUT)  # the world's own group, from now on
     _state = ParallelState(
         rank, world_size, tp_size, pp_size, tp_group, pp_group, cpu_group, fail_group
     )

@@ -6,7 +6,8 @@ after it (the blocks' KV was just written). A block file that fails its check at
 or changed since the scheduler's lookup checked it, on any tensor-parallel rank) is reported
 back (`ModelRunnerOutput.invalid_block_ids`, vLLM's name): the step's results for its sequence
 are dropped and the engine core recomputes it (core/step_apply.py, `_drop_failed_loads`),
-so a vanished file costs time, never a request or a wrong token.
+so a vanished file costs time, never a request or a wrong token. A save that fails (disk full,
+no permission, the directory gone) is logged and skipped: the block is simply not stored.
 """
 
 from __future__ import annotations
@@ -54,8 +55,15 @@ class KVBlockIO:
             (name, dtype_name(t.dtype), tuple(t.shape[1 + j] for j in self._to_canon))
             for name, t in self._tensors
         ]
+        self._save_failing = False  # a save failed since the last that worked (one warning)
         if cfg.saves:
-            os.makedirs(self.root, exist_ok=True)
+            try:
+                os.makedirs(self.root, exist_ok=True)
+            except OSError as e:
+                raise ValueError(
+                    "kv_transfer_config.kv_connector_extra_config.shared_storage_path="
+                    f"{self.root!r} cannot be created: {e}"
+                ) from e
 
     def path(self, key: str) -> str:
         return block_path(self.root, key, self.rank, self.world)
@@ -108,10 +116,23 @@ class KVBlockIO:
         index = torch.tensor([b for b, _ in todo], dtype=torch.int64, device=self.cache.device)
         perm = [0, *(1 + j for j in self._to_canon)]
         gathered = [t.index_select(0, index).permute(perm).cpu() for _, t in self._tensors]
+        failed: list[OSError] = []
         for i, (_, key) in enumerate(todo):
-            write_block(
-                self.path(key), key, [(n, g[i]) for (n, _), g in zip(self._tensors, gathered)]
+            try:
+                write_block(
+                    self.path(key), key, [(n, g[i]) for (n, _), g in zip(self._tensors, gathered)]
+                )
+            except OSError as e:  # the storage's fault, never the step's: the block stays unsaved
+                failed.append(e)
+        if failed and not self._save_failing:
+            logger.warning(
+                "kv_transfer_config: %d block(s) could not be saved under %s (%s); serving on "
+                "without storing them (logged again after a save works)",
+                len(failed),
+                self.root,
+                failed[0],
             )
+        self._save_failing = len(failed) == len(todo)
 
 
 def build_block_io(config: Any, cache: CacheEngine) -> KVBlockIO:

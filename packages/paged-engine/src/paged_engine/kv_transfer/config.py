@@ -12,7 +12,16 @@ from typing import Any
 
 CONNECTORS = ("ExampleConnector", "SharedStorageConnector")
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
-_FIELDS = ("kv_connector", "kv_role", "kv_connector_extra_config", "engine_id")
+_FIELDS = (
+    "kv_connector",
+    "kv_role",
+    "kv_connector_extra_config",
+    "engine_id",
+    "kv_load_failure_policy",
+)
+# vLLM's kv_load_failure_policy values; paged always recomputes a request whose stored block
+# could not be loaded (block_io.py), vLLM's default
+FAILURE_POLICIES = ("recompute",)
 _EXTRA = ("shared_storage_path",)
 DEFAULT_STORAGE_PATH = "local_storage"  # vLLM's default, relative to the working directory
 
@@ -65,7 +74,15 @@ class KVTransferConfig:
         engine_id = fields.get("engine_id")
         if engine_id is not None and not isinstance(engine_id, str):
             raise ValueError(f"kv_transfer_config.engine_id={engine_id!r} is invalid: a str")
-        extra = fields.get("kv_connector_extra_config") or {}
+        policy = fields.get("kv_load_failure_policy")
+        if policy is not None and policy not in FAILURE_POLICIES:
+            raise ValueError(
+                f"kv_transfer_config.kv_load_failure_policy={policy!r} is not supported: "
+                f"expected one of {list(FAILURE_POLICIES)} (a request whose stored KV cannot be "
+                "loaded is recomputed)"
+            )
+        extra = fields.get("kv_connector_extra_config")
+        extra = {} if extra is None else extra
         if not isinstance(extra, dict):
             raise ValueError(
                 f"kv_transfer_config.kv_connector_extra_config={extra!r} is invalid: a dict"

@@ -8,16 +8,20 @@ are written to a temporary name and renamed (`os.replace`), so a reader sees a w
 none. A file is used only if its key, tensor list and size are exactly what the reader expects
 (`check_block`); anything else (missing, truncated, another model's) is a miss.
 Files come from other processes: a header past `MAX_HEADER` bytes, or JSON no reader could
-expect (nested past Python's recursion limit), is a miss too, and a file's size is checked
-before its bytes are read.
+expect (nested past Python's recursion limit), is a miss too, a file's size is checked
+before its bytes are read, and only a regular file is read (a FIFO or device under a block's
+name is a miss, never a reader blocked on it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
-import threading
+import stat
+import uuid
+from typing import BinaryIO
 
 import torch
 
@@ -65,11 +69,25 @@ def _read_header(f, key: str, spec: Spec, size: int) -> bool:
     return header["key"] == key and tensors == list(spec) and size == expected
 
 
+def _open_regular(path: str) -> tuple[BinaryIO, int]:
+    """`path` opened for reading, and its size; OSError unless it is a regular file (opened
+    without blocking: a FIFO would wait for a writer)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(f"{path} is not a regular file")
+        return os.fdopen(fd, "rb"), st.st_size
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def check_block(path: str, key: str, spec: Spec) -> bool:
     """Is `path` a whole block file for `key` with exactly `spec`'s tensors? (Header only.)"""
     try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
+        f, size = _open_regular(path)
+        with f:
             return _read_header(f, key, spec, size)
     except (OSError, ValueError, KeyError, TypeError, RecursionError):
         return False
@@ -78,11 +96,12 @@ def check_block(path: str, key: str, spec: Spec) -> bool:
 def read_block(path: str, key: str, spec: Spec) -> list[torch.Tensor] | None:
     """The block's tensors (CPU), or None when the file is not `check_block`'s whole file."""
     try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size > len(MAGIC) + _LEN + MAX_HEADER + _nbytes(spec):
+        f, size = _open_regular(path)
+        limit = len(MAGIC) + _LEN + MAX_HEADER + _nbytes(spec)
+        with f:
+            if size > limit:
                 return None  # not read: no whole block file is this long
-            data = f.read()
+            data = f.read(limit + 1)  # (bounded: a writer may still be appending)
     except OSError:
         return None
     try:
@@ -104,13 +123,15 @@ def read_block(path: str, key: str, spec: Spec) -> list[torch.Tensor] | None:
 
 
 def write_block(path: str, key: str, tensors: list[tuple[str, torch.Tensor]]) -> None:
-    """Write atomically: a temporary file in the same directory, then `os.replace`."""
+    """Write atomically: a temporary file in the same directory, then `os.replace`. The
+    temporary name is random: producers on other hosts (same pid and thread id) may share the
+    directory. Raises OSError (disk full, no permission); nothing is left behind then."""
     header = {
         "key": key,
         "tensors": [[name, dtype_name(t.dtype), list(t.shape)] for name, t in tensors],
     }
     raw = json.dumps(header).encode()
-    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+    tmp = f"{path}.{uuid.uuid4().hex}.tmp"
     try:
         with open(tmp, "wb") as f:
             f.write(MAGIC + len(raw).to_bytes(_LEN, "little") + raw)
@@ -119,4 +140,5 @@ def write_block(path: str, key: str, tensors: list[tuple[str, torch.Tensor]]) ->
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
-            os.remove(tmp)
+            with contextlib.suppress(OSError):
+                os.remove(tmp)

@@ -23,7 +23,11 @@ from paged_engine.distributed.communication import (
     every_rank_failed,
     wait_sends,
 )
-from paged_engine.distributed.launch import cpu_threads_per_rank, exit_with_parent
+from paged_engine.distributed.launch import (
+    cpu_threads_per_rank,
+    exit_with_parent,
+    launch_fingerprint,
+)
 from paged_engine.distributed.parallel_state import destroy_parallel_state, init_parallel_state
 from paged_engine.engine.gc_tuning import freeze_startup_heap
 from paged_engine.loader import ResolvedModel
@@ -64,6 +68,8 @@ def join_world(
         pp_size=config.pipeline_parallel_size,
         device=device,
         init_method=init_method,
+        # torchrun: each rank parsed its own arguments (spawned ranks got rank 0's config)
+        fingerprint=launch_fingerprint(config) if init_method == "env://" else None,
     )
     return device
 

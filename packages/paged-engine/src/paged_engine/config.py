@@ -53,7 +53,8 @@ def _cpu_kv_cache_gib_default() -> float:
 class EngineConfig:
     """Everything `LLM(...)`, `LLMEngine(...)` and `paged-server` accept.
 
-    `max_model_len=None` takes the model's own limit. `max_num_batched_tokens` is the per-step
+    `max_model_len=None` takes the model's own limit (a longrope model's
+    original_max_position_embeddings, as vLLM). `max_num_batched_tokens` is the per-step
     token budget shared by prefill chunks and decodes. On CUDA the KV pool is sized from
     `gpu_memory_utilization` after profiling a forward pass; on CPU from `cpu_kv_cache_gib`
     (default: `PAGED_CPU_KVCACHE_SPACE` or vLLM's `VLLM_CPU_KVCACHE_SPACE` from the

@@ -57,7 +57,7 @@ from paged_engine.executor.multiproc import MultiprocExecutor
 from paged_engine.executor.uniproc import UniprocExecutor
 from paged_engine.kv_transfer.config import check_model as check_kv_transfer_model
 from paged_engine.kv_transfer.connector import build_connector
-from paged_engine.layers.rotary import scaled_context_limit
+from paged_engine.layers.rotary import longrope_default_context, scaled_context_limit
 from paged_engine.loader import (
     ResolvedModel,
     apply_hf_overrides,
@@ -865,7 +865,10 @@ class LLMEngine:
         # vLLM allows, e.g. Qwen's YaRN recipe); the default stays the config's own length.
         stretched = max(limit or 0, scaled_context_limit(self.hf_config) or 0) or None
         if cfg.max_model_len is None:
-            cfg.max_model_len = limit or _DEFAULT_MAX_MODEL_LEN
+            # longrope (Phi-3.5, Phi-4-mini): the original context, as vLLM defaults it
+            original = longrope_default_context(self.hf_config)
+            cfg.max_model_len = min(original, limit or original) if original else limit
+            cfg.max_model_len = cfg.max_model_len or _DEFAULT_MAX_MODEL_LEN
         elif stretched is not None and cfg.max_model_len > stretched:
             # the key that set the limit (an encoder's may differ from its key: RoBERTa's offset)
             keys = [k for k in CONTEXT_LENGTH_KEYS if getattr(self.hf_config, k, None) == limit]

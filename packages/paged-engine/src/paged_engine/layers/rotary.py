@@ -658,3 +658,16 @@ def scaled_context_limit(config: Any) -> int | None:
         return int(max_position * float(factor)) if factor else None
     old_ctx = scaling.get("original_max_position_embeddings") or max_position
     return int(old_ctx * float(factor)) if factor else None
+
+
+def longrope_default_context(config: Any) -> int | None:
+    """A longrope config's original_max_position_embeddings, vLLM's default max_model_len for
+    it: at that length the short factors serve every sequence, as HF's do; a longer default
+    puts every sequence on the long factors (RotaryEmbedding). None for other ropes."""
+    try:
+        _, scaling, _ = rope_config(config)
+    except ValueError:  # rope_parameters per layer type (Gemma 3)
+        return None
+    kind = scaling and (scaling.get("rope_type") or scaling.get("type"))
+    original = scaling.get("original_max_position_embeddings") if kind == "longrope" else None
+    return int(original) if original else None

@@ -18,6 +18,7 @@ from paged_engine import jina_vl_scoring
 from paged_engine.beam_search import BeamSearchOutput, BeamSearchSequence
 from paged_engine.classification import ClassificationRequestOutput
 from paged_engine.config import EngineConfig
+from paged_engine.config_views import ModelConfig
 from paged_engine.engine.llm_engine import LLMEngine
 from paged_engine.engine.request_latency import RequestClock, RequestLatency
 from paged_engine.engine.stats import EngineStats
@@ -74,6 +75,11 @@ class LLM:
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
+
+    @property
+    def model_config(self) -> ModelConfig:
+        """vLLM's: `llm_engine.model_config` (config_views.py)."""
+        return self.llm_engine.model_config
 
     def _placeholders(self) -> MediaPlaceholders:
         """The text each image, video and audio part of a string-content chat becomes."""

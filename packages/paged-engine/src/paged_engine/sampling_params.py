@@ -259,6 +259,8 @@ class SamplingParams:
     all_stop_token_ids: set[int] = field(default_factory=set, init=False, repr=False)
     # vLLM's: the primary eos id `update_from_generation_config` was given (None: ignore_eos)
     _eos_token_id: int | None = field(default=None, init=False, repr=False)
+    # vLLM's: bad_words as token id sequences, set by `update_from_tokenizer`
+    _bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.n = _as_int("n", self.n)
@@ -524,6 +526,38 @@ class SamplingParams:
         if extra and not self.ignore_eos:
             assert self.stop_token_ids is not None
             self.stop_token_ids = list(dict.fromkeys([*self.stop_token_ids, *sorted(extra)]))
+
+    @property
+    def bad_words_token_ids(self) -> list[list[int]] | None:
+        """vLLM's: `bad_words` as token ids (None until `update_from_tokenizer`)."""
+        return self._bad_words_token_ids
+
+    def update_from_tokenizer(self, tokenizer: Any) -> None:
+        """vLLM's: resolve `bad_words` with `tokenizer` into `bad_words_token_ids`. Each word
+        as it starts the text, and after a space when that spelling is as many tokens with
+        another first token (a word-start token); ValueError for a word that yields no tokens
+        or ids outside the tokenizer's vocabulary. Nothing to do without bad_words. (The engine
+        resolves bad words itself on add_request, banning the spaced spelling whenever it
+        differs: input_processor.py.)"""
+        if not self.bad_words:
+            return
+        resolved: list[list[int]] = []
+        for word in self.bad_words:
+            bare = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            if not bare:
+                raise ValueError(f"bad_words: {word!r:.100} encodes to no tokens")
+            resolved.append(list(bare))
+            spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+                resolved.append(list(spaced))
+        top = getattr(tokenizer, "max_token_id", None)
+        top = len(tokenizer) - 1 if top is None else top
+        bad = sorted({t for ids in resolved for t in ids if not 0 <= t <= top})
+        if bad:
+            raise ValueError(
+                f"bad_words: token ids {bad[:5]} are outside the vocabulary [0, {top}]"
+            )
+        self._bad_words_token_ids = resolved
 
 
 # The fields `SamplingParams.from_optional` reads None in as their defaults (vLLM's).

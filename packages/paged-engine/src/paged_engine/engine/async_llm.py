@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from paged_engine.config import EngineConfig
+from paged_engine.config_views import ModelConfig
 from paged_engine.core.step_isolation import RequestFailedError
 from paged_engine.engine.request_ids import internal_request_id
 from paged_engine.executor.base import EngineDeadError
@@ -222,13 +223,14 @@ class AsyncLLM:
         """A copy of the engine's tokenizer (the engine thread decodes with its own)."""
         return self.tokenizer
 
-    async def get_model_config(self) -> EngineConfig:
+    async def get_model_config(self) -> ModelConfig:
         return self.model_config
 
     @property
-    def model_config(self) -> EngineConfig:
-        """The engine's resolved options (`max_model_len`, `model`, `dtype`, ...)."""
-        return self.engine.config
+    def model_config(self) -> ModelConfig:
+        """vLLM's view of the model and its resolved options (`max_model_len`, `hf_config`,
+        `dtype`, ...; config_views.py)."""
+        return self.engine.model_config
 
     async def get_default_sampling_params(self) -> SamplingParams:
         return self.engine.get_default_sampling_params()

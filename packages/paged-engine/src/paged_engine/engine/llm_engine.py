@@ -26,6 +26,7 @@ import torch
 from paged_engine import jina_vl_scoring
 from paged_engine.classification import classifier_info, resolve_from_token
 from paged_engine.config import EngineConfig
+from paged_engine.config_views import ModelConfig, VllmConfig
 from paged_engine.core.block_manager import BlockManager
 from paged_engine.core.core_output import EngineCoreOutput
 from paged_engine.core.engine_core import EngineCore
@@ -410,6 +411,21 @@ class LLMEngine:
     def model_runner(self):
         """The in-process worker's runner (tests and benchmarks reach the model through it)."""
         return self.executor.worker.model_runner
+
+    # vLLM's names for the settings (config_views.py: read-only views of `config` and the model)
+    @property
+    def vllm_config(self) -> VllmConfig:
+        return VllmConfig(self)
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return ModelConfig(self)
+
+    def get_model_config(self) -> ModelConfig:
+        return ModelConfig(self)
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
 
     # ---- requests -------------------------------------------------------------------------------
     def get_default_sampling_params(self) -> SamplingParams:

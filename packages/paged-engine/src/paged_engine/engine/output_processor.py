@@ -458,9 +458,9 @@ class OutputProcessor:
             completions,
             finished,
             metrics,
-            state.num_cached_tokens,
             state.lora_request,
-            state.num_prompt_tokens,
+            num_cached_tokens=state.num_cached_tokens,
+            num_prompt_tokens=state.num_prompt_tokens,
         )
         if state.encoder_prompt is not None:
             out.encoder_prompt, out.encoder_prompt_token_ids = state.encoder_prompt
@@ -489,7 +489,13 @@ class OutputProcessor:
             logprobs = None if logprobs is None else logprobs.copy()
         cumulative = seq.cumulative_logprob if params.logprobs is not None else None
         return CompletionOutput(
-            index, text, token_ids, cumulative, logprobs, seq.finish_reason, seq.stop_reason
+            index,
+            text,
+            token_ids,
+            cumulative,
+            logprobs,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
         )
 
     def _beam_outputs(self, state: RequestState, finished: bool) -> list[CompletionOutput]:

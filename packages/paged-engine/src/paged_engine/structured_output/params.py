@@ -106,6 +106,15 @@ class StructuredOutputsParams:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"structured_outputs.{name} must be a bool")
 
+    def all_constraints_none(self) -> bool:
+        """vLLM's: True when no constraint field is set (construction requires one; code may
+        clear it afterwards)."""
+        return all(getattr(self, name) is None for name in CONSTRAINTS)
+
+    def all_non_structural_tag_constraints_none(self) -> bool:
+        """vLLM's: True when no constraint other than structural_tag is set."""
+        return all(getattr(self, name) is None for name in CONSTRAINTS if name != "structural_tag")
+
     @property
     def kind(self) -> str:
         """The one constraint set: 'json', 'regex', 'choice', 'grammar', 'json_object' or

@@ -5,10 +5,10 @@ them on any way out other than their completion (error, disconnect, failed write
 are never held for a client that is gone.
 
 `tokenizer` is the HTTP side's own (never the engine's: the engine and output threads use that
-one without a lock), shared by the HTTP threads under `tok_lock` (a text past `_LONG_TEXT`
-characters goes to a second copy under a lock of its own: a huge prompt holds up no other
-request's tokenization). A prompt is tokenized here once; the engine gets its ids with its text
-and does not tokenize it again.
+one without a lock), shared by the HTTP threads under `tok_lock` (a text or id list past
+`_LONG_TEXT` characters or ids goes to a second copy under a lock of its own: a huge prompt
+holds up no other request's tokenization; chat templates render under neither lock). A prompt
+is tokenized here once; the engine gets its ids with its text and does not tokenize it again.
 """
 
 from __future__ import annotations
@@ -68,11 +68,18 @@ from paged_server.responses_api import (
 )
 from paged_server.scores import SCORE_SIDES, serve_rerank, serve_score
 from paged_server.structured_request import check_structured
+from paged_server.template_budget import (
+    REQUEST_TEMPLATE_SECONDS,
+    TemplateBudgetExceeded,
+    bounded,
+)
 from paged_server.tool_parsers import TOOL_PARSERS
 from paged_server.transcriptions import serve_speech
 
-# characters: a longer text is encoded by a tokenizer copy of its own (App._encode)
+# characters (or ids): a longer job runs on a tokenizer copy of its own (App._sized_tokenizer)
 _LONG_TEXT = 1 << 16
+# characters a request's chat template may render: the default request body limit's worth
+MAX_RENDERED_CHARS = 16 << 20
 _MODEL_ROUTE = "/v1/models/"
 _RESPONSE_ROUTE = "/v1/responses/"
 _RESPONSE_SUBROUTES = ("", "input_items", "cancel")  # /v1/responses/{id}[/sub]: dispatch's keys
@@ -179,6 +186,7 @@ class OpenAIApp:
         self.api_key = api_key
         self.chat_template = chat_template
         self.trust_request_chat_template = trust_request_chat_template
+        self.template_seconds = REQUEST_TEMPLATE_SECONDS  # a request template's render budget
         # --chat-template-content-format: "string" templates get media parts as placeholder
         # text (paged_engine/multimodal/chat_format.py); "auto" reads the template
         self.content_format = chat_template_content_format
@@ -431,8 +439,8 @@ class OpenAIApp:
             raise bad_request("'prompt' (a string) or 'messages' is required", "prompt")
         token_strs = None
         if strs:  # vLLM's: each id's vocabulary entry (byte-level pieces, as the tokenizer has it)
-            with self.tok_lock:
-                token_strs = list(self.tokenizer.convert_ids_to_tokens(ids))
+            with self._sized_tokenizer(len(ids)) as tok:
+                token_strs = list(tok.convert_ids_to_tokens(ids))
         h.send_json(
             200,
             {
@@ -466,23 +474,31 @@ class OpenAIApp:
         if not isinstance(ids, list):
             raise bad_request("'tokens' must be a list of token ids", "tokens")
         self._check_ids(ids, "tokens")
-        with self.tok_lock:
-            text = self.tokenizer.decode(ids)
+        with self._sized_tokenizer(len(ids)) as tok:
+            text = tok.decode(ids)
         h.send_json(200, {"prompt": text})
 
     # ---- tokenizer helpers -----------------------------------------------------------------
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        """`text`'s ids. A text over _LONG_TEXT characters (a 15 MB prompt encodes for ~20 s)
-        is encoded by a copy of the tokenizer under a lock of its own, so it holds up only
-        other long texts, never every request's tokenization behind `tok_lock`."""
-        if len(text) <= _LONG_TEXT:
+        """`text`'s ids (a 15 MB prompt encodes for ~20 s: `_sized_tokenizer`)."""
+        with self._sized_tokenizer(len(text)) as tok:
+            return list(tok.encode(text, add_special_tokens=add_special_tokens))
+
+    @contextmanager
+    def _sized_tokenizer(self, size: int) -> Iterator[Any]:
+        """The tokenizer for a job of `size` characters or ids: the shared one under `tok_lock`,
+        or past _LONG_TEXT a copy under a lock of its own (made on first use), so a huge job
+        (an 8M-id /detokenize takes seconds too) holds up only other huge ones, never every
+        request's tokenization."""
+        if size <= _LONG_TEXT:
             with self.tok_lock:
-                return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+                yield self.tokenizer
+            return
         with self.long_tok_lock:
             if self._long_tokenizer is None:
                 with self.tok_lock:
                     self._long_tokenizer = copy.deepcopy(self.tokenizer)
-            return list(self._long_tokenizer.encode(text, add_special_tokens=add_special_tokens))
+            yield self._long_tokenizer
 
     def _decode_one(self, tid: int) -> str:
         with self.tok_lock:
@@ -535,8 +551,11 @@ class OpenAIApp:
     def _render_chat(self, req: GenerationRequest) -> str:
         """The conversation through the chat template. A template sent by the client is code
         it chose: refused unless the server trusts request templates (vLLM's rule); either way
-        transformers renders it in Jinja's sandbox. The request's chat_template_kwargs take the
-        server's defaults first (what the reasoning split reads afterwards sees them too)."""
+        transformers renders it in Jinja's sandbox, and a request's template within a time
+        budget and an output bound (template_budget.py). The request's chat_template_kwargs
+        take the server's defaults first (what the reasoning split reads afterwards sees them
+        too). No render holds `tok_lock`: it reads the tokenizer's special tokens only, and a
+        slow one must not hold up every other request's tokenization."""
         if self.default_template_kwargs:
             req.chat_template_kwargs = {**self.default_template_kwargs, **req.chat_template_kwargs}
         variables = dict(req.chat_template_kwargs)
@@ -544,8 +563,8 @@ class OpenAIApp:
         if variables.get("chat_template") is not None:
             request_template = request_template or variables["chat_template"]
         variables.pop("chat_template", None)
+        param = "chat_template" if req.chat_template is not None else "chat_template_kwargs"
         if request_template is not None and not self.trust_request_chat_template:
-            param = "chat_template" if req.chat_template is not None else "chat_template_kwargs"
             raise bad_request(
                 "a chat template was sent with the request, but this server renders only its "
                 "own (start it with --trust-request-chat-template to allow request templates)",
@@ -558,31 +577,48 @@ class OpenAIApp:
             template = fallback_template(self.images)
         if template is None:
             raise bad_request("this model has no chat template", "messages")
+        shown = req.tools is not None and not (
+            self.exclude_tools_when_none and req.tools.choice == "none"
+        )
+        if shown:  # the template shows the model its tools
+            variables["tools"] = req.tools.tools
+        if req.documents is not None:
+            variables["documents"] = req.documents
+        if req.reasoning_effort is not None:  # gpt-oss's template reads it
+            variables["reasoning_effort"] = req.reasoning_effort
+            # vLLM: an effort also flips the thinking switch (Qwen3's, Gemma 4's), "none" off,
+            # unless chat_template_kwargs set it
+            variables.setdefault("enable_thinking", req.reasoning_effort != "none")
+
+        def render() -> str:  # (the content format compiles the template: inside the budget)
+            return self.tokenizer.apply_chat_template(
+                self._content_format(req.messages, template),
+                chat_template=template,
+                tokenize=False,
+                add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message,
+                **variables,
+            )
+
         try:
-            with self.tok_lock:
-                shown = req.tools is not None and not (
-                    self.exclude_tools_when_none and req.tools.choice == "none"
-                )
-                if shown:  # the template shows the model its tools
-                    variables["tools"] = req.tools.tools
-                if req.documents is not None:
-                    variables["documents"] = req.documents
-                if req.reasoning_effort is not None:  # gpt-oss's template reads it
-                    variables["reasoning_effort"] = req.reasoning_effort
-                    # vLLM: an effort also flips the thinking switch (Qwen3's, Gemma 4's), "none"
-                    # off, unless chat_template_kwargs set it
-                    variables.setdefault("enable_thinking", req.reasoning_effort != "none")
-                messages = self._content_format(req.messages, template)
-                return self.tokenizer.apply_chat_template(
-                    messages,
-                    chat_template=template,
-                    tokenize=False,
-                    add_generation_prompt=req.add_generation_prompt,
-                    continue_final_message=req.continue_final_message,
-                    **variables,
-                )
+            if request_template is None:
+                return render()
+            text = bounded(render, self.template_seconds)
+        except TemplateBudgetExceeded:
+            raise bad_request(
+                f"the request's chat template did not render within {self.template_seconds:g} "
+                "seconds",
+                param,
+            ) from None
         except Exception as e:  # template errors are the request's (or the template's) fault
             raise bad_request(f"could not apply the chat template: {e}", "messages") from None
+        if len(text) > MAX_RENDERED_CHARS:  # (its tokenization would take minutes)
+            raise bad_request(
+                f"the request's chat template rendered {len(text)} characters, over "
+                f"{MAX_RENDERED_CHARS} (the request body limit's worth of prompt)",
+                param,
+            )
+        return text
 
     def _content_format(self, messages: list[dict], template: Any) -> list[dict]:
         """The messages in the content format the template takes (vLLM's rule): as parsed
@@ -598,7 +634,8 @@ class OpenAIApp:
             return messages
         if resolve_content_format(self.content_format, template) != "string":
             return messages
-        marks = media_placeholders(self.tokenizer, self.images, self.videos, self.audios)
+        with self.tok_lock:
+            marks = media_placeholders(self.tokenizer, self.images, self.videos, self.audios)
         return string_content(messages, marks)
 
     def invocations(self, h: Handler) -> None:

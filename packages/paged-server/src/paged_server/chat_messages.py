@@ -84,13 +84,17 @@ def _content_parts(
     parts: list[dict[str, str]] = []
     found: list[MediaRef] = []
     for j, part in enumerate(content):
+        if isinstance(part, str):  # vLLM's: a bare string is a text part
+            parts.append({"type": "text", "text": part})
+            continue
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind == "text":
-            if not isinstance(part.get("text"), str):
+        key = _TEXT_PARTS.get(kind) if isinstance(kind, str) else None
+        if key is not None:
+            if not isinstance(part.get(key), str):
                 raise bad_request(
-                    f"{param}.content: a text part needs a string 'text'", f"{param}.content"
+                    f"{param}.content: a {kind} part needs a string '{key}'", f"{param}.content"
                 )
-            parts.append({"type": "text", "text": part["text"]})
+            parts.append({"type": "text", "text": part[key]})
         elif kind == "image_url" and images is not None:
             p = f"{param}.content[{j}].image_url"
             if role != "user":
@@ -149,6 +153,9 @@ def _content_parts(
     return parts
 
 
+# The part types read as text (vLLM's), each with the key holding it: OpenAI's assistant
+# `refusal` parts, the Responses API's input / output text
+_TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
 _DETAILS = ("auto", "low", "high")
 _AUDIO_FORMATS = {"wav": "wav", "mp3": "mpeg", "flac": "flac", "ogg": "ogg", "m4a": "mp4"}
 

@@ -74,9 +74,9 @@ def test_unsupported_schemes_fail_naming_them(tiny, tmp_path):
         return {**pack, "config_groups": {"g": {"weights": {"num_bits": 4, **weights}}}}
 
     cases = [
-        ({"quant_method": "gptq", "bits": 3}, "3-bit"),
+        ({"quant_method": "gptq", "bits": 5}, "5-bit"),
         ({"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"}, "'marlin'"),
-        ({"quant_method": "gptq", "bits": 4, "dynamic": {"+:.*down": {"bits": 8}}}, "dynamic"),
+        ({"quant_method": "gptq", "bits": 4, "dynamic": {"+:.*down": {"bits": 5}}}, "dynamic"),
         ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "'gemv'"),
         ({"quant_method": "awq", "bits": 3}, "3-bit"),
         ({"quant_method": "awq", "zero_point": False}, "zero_point"),

@@ -148,7 +148,7 @@ def test_per_expert_moe_weights_dequantize(tmp_path):
 def test_unsupported_quantizations_fail_naming_them(tiny, tmp_path):
     cases = [
         ({"quant_method": "hqq"}, "'hqq' is not supported"),
-        ({"quant_method": "gptq", "bits": 3}, "3-bit"),
+        ({"quant_method": "gptq", "bits": 5}, "5-bit"),
         ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, "NVFP4"),
         ({"quant_method": "compressed-tensors", "format": "pack-quantized"}, "pack-quantized"),
         (

@@ -37,7 +37,12 @@ from paged_engine.models.multimodal_text import (
     text_model_weights,
     text_only_config,
 )
-from paged_engine.packed_checkpoint import keeps_codes, packed_scheme, unpack_weights
+from paged_engine.packed_checkpoint import (
+    keeps_codes,
+    packed_scheme,
+    sidecar_quant_config,
+    unpack_weights,
+)
 from paged_engine.packed_codes import KEEP_CODES, CodesLoad
 from paged_engine.quantized_checkpoint import (
     checkpoint_block_size,
@@ -155,6 +160,7 @@ def load_hf_config(
         )
     except StrictDataclassError as e:  # a field the config class's validators reject
         raise ValueError(f"config.json: {e}") from e
+    sidecar_quant_config(config, resolved.path)  # early GPTQ / AWQ releases' quantize_config.json
     # A vision-language wrapper: its text model's config, served text-only (multimodal_text.py)
     return with_kv_head_count(text_only_config(config))
 

@@ -22,20 +22,28 @@ files); once a layer's set is complete it leaves the stream as one `X.weight` [N
             offset alike), X.weight_g_idx [K] (actorder "group")
             W[n, k] = (q[n, k] - z[n, g]) * s[n, g]
 
-b is 2, 4 or 8. The dequantized weights take the model dtype's memory (no 4-bit kernel keeps
-them packed yet). Layers left unquantized (the LM head, `modules_to_not_convert`, GPTQModel's
-`dynamic` exclusions) arrive as plain `X.weight` and pass through.
+b is 2, 4 or 8 (GPTQ also 3: 32 values in 3 words, unpack_rows). The dequantized weights take
+the model dtype's memory (no 4-bit kernel keeps them packed yet). Layers left unquantized (the
+LM head, `modules_to_not_convert`, GPTQModel's `dynamic` exclusions) arrive as plain `X.weight`
+and pass through; a `dynamic` "+:" override gives the layers its pattern matches (by checkpoint
+name) other bits. A release whose config.json has no quantization_config but a
+quantize_config.json (AutoGPTQ) or quant_config.json (AutoAWQ) beside it takes its scheme from
+there (`sidecar_quant_config`).
 """
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 PACKED_METHODS = ("gptq", "awq")
 _BITS = (2, 4, 8)
+_GPTQ_BITS = (2, 3, 4, 8)  # 3-bit: AutoGPTQ's bit stream (unpack_rows)
 _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds this column of its 8
 
 
@@ -52,36 +60,57 @@ class PackedScheme:
     required: tuple[str, ...]  # the suffixes of one layer's tensors ("qweight", ...)
     dropped: tuple[str, ...] = ()  # suffixes read and ignored (g_idx without desc_act)
     zero_offset: int = 0  # added to a stored zero point (GPTQ v1: 1)
+    # GPTQModel's `dynamic` "+:" overrides: (pattern, bits), the first re.match of a layer's
+    # checkpoint name wins
+    overrides: tuple[tuple[re.Pattern[str], int], ...] = ()
+
+    def bits_of(self, layer: str) -> int:
+        """The bits of the layer named `layer` (its checkpoint prefix)."""
+        return next((bits for pattern, bits in self.overrides if pattern.match(layer)), self.bits)
 
 
 def packed_scheme(config) -> PackedScheme | None:
     """The checkpoint's packed-integer scheme, or None when its weights are not packed ints.
-    Raises ValueError naming what is unsupported (3-bit, AWQ's GEMV layout, ...)."""
+    Raises ValueError naming what is unsupported (5-bit, AWQ's GEMV layout, ...)."""
     quant = getattr(config, "quantization_config", None)
     if quant is None:
         return None
     method = _get(quant, "quant_method")
     if method == "gptq":
-        bits = _bits(_get(quant, "bits", 4), "gptq")
+        bits = _bits(_get(quant, "bits", 4), "gptq", _GPTQ_BITS)
         fmt = _get(quant, "checkpoint_format") or "gptq"
         if fmt not in ("gptq", "gptq_v2"):
             raise ValueError(
                 f"gptq checkpoint_format {fmt!r} is not supported: only 'gptq' and 'gptq_v2'"
             )
+        pack_dtype = _get(quant, "pack_dtype") or "int32"
+        if pack_dtype != "int32":
+            raise ValueError(f"gptq pack_dtype {pack_dtype!r} is not supported: only 'int32'")
+        desc_act = bool(_get(quant, "desc_act", False))
+        overrides = []
         for pattern, override in (_get(quant, "dynamic") or {}).items():
             # "-:pattern" leaves those modules unquantized (their plain weights load as they
-            # are); "+:pattern" / "pattern" would give them other bits or groups.
-            if not str(pattern).startswith("-:") and override:
-                raise ValueError(
-                    f"gptq `dynamic` overrides ({pattern!r}: {override}) are not supported"
-                )
-        desc_act = bool(_get(quant, "desc_act", False))
+            # are); "+:pattern" / "pattern" gives them other bits (their group size is read
+            # from their scales; sym changes nothing stored)
+            pattern = str(pattern)
+            if pattern.startswith("-:"):
+                continue
+            override = override or {}
+            what = f"gptq `dynamic` override {pattern!r}"
+            if bool(_get(override, "desc_act", desc_act)) != desc_act:
+                raise ValueError(f"{what}: a per-module desc_act is not supported")
+            try:
+                compiled = re.compile(pattern.removeprefix("+:"))
+            except re.error as e:
+                raise ValueError(f"{what}: not a regular expression: {e}") from e
+            overrides.append((compiled, _bits(_get(override, "bits", bits), what, _GPTQ_BITS)))
         return PackedScheme(
             "gptq",
             bits,
             ("qweight", "qzeros", "scales") + (("g_idx",) if desc_act else ()),
             () if desc_act else ("g_idx",),
             zero_offset=1 if fmt == "gptq" else 0,
+            overrides=tuple(overrides),
         )
     if method == "awq":
         bits = _get(quant, "bits", _get(quant, "w_bit", 4))
@@ -135,19 +164,57 @@ def packed_scheme(config) -> PackedScheme | None:
     return None
 
 
-def _bits(bits, what: str) -> int:
-    if bits not in _BITS:
-        raise ValueError(f"{what}: {bits}-bit weights are not supported: only {_BITS}")
+def sidecar_quant_config(config, path: str | Path) -> None:
+    """Give `config` the quantization_config that early GPTQ / AWQ releases kept beside
+    config.json instead of in it (AutoGPTQ's quantize_config.json, AutoAWQ's
+    quant_config.json), when it has none: quant_method as written, else "awq" for AutoAWQ's
+    keys (w_bit, q_group_size), else "gptq"."""
+    if getattr(config, "quantization_config", None) is not None:
+        return
+    for filename in ("quantize_config.json", "quant_config.json"):
+        file = Path(path) / filename
+        if not file.is_file():
+            continue
+        quant = json.loads(file.read_text())
+        if not isinstance(quant, dict):
+            raise ValueError(f"{filename}: expected a JSON object, got {type(quant).__name__}")
+        awq = "w_bit" in quant or "q_group_size" in quant or filename == "quant_config.json"
+        quant.setdefault("quant_method", "awq" if awq else "gptq")
+        config.quantization_config = quant
+        return
+
+
+def _bits(bits, what: str, supported: tuple[int, ...] = _BITS) -> int:
+    if bits not in supported:
+        raise ValueError(f"{what}: {bits}-bit weights are not supported: only {supported}")
     return int(bits)
 
 
 def unpack_rows(packed: torch.Tensor, bits: int, rows: int) -> torch.Tensor:
     """int32 [ceil(rows * bits / 32), C] whose word r holds rows r * (32 / bits) + i in bits
-    [bits * i, bits * (i + 1)) -> int32 [rows, C] of values in [0, 2**bits)."""
+    [bits * i, bits * (i + 1)) -> int32 [rows, C] of values in [0, 2**bits). 3 bits: each
+    3 words hold 32 rows as one little-endian 96-bit stream (row i at bit 3 i; rows 10 and 21
+    straddle two words), AutoGPTQ's layout."""
+    if bits == 3:
+        return _unpack_rows_3bit(packed, rows)
     per = 32 // bits
     shifts = torch.arange(0, 32, bits, device=packed.device, dtype=torch.int32)
     values = (packed.to(torch.int32).unsqueeze(1) >> shifts.view(1, per, 1)) & ((1 << bits) - 1)
     return values.reshape(-1, packed.shape[-1])[:rows]
+
+
+def _unpack_rows_3bit(packed: torch.Tensor, rows: int) -> torch.Tensor:
+    if packed.shape[0] % 3:
+        raise ValueError(f"3-bit words of {tuple(packed.shape)}: not whole runs of 3 words")
+    words = (packed.to(torch.int64) & 0xFFFFFFFF).unflatten(0, (-1, 3))  # [R / 3, 3, C]
+    values = []
+    for i in range(32):
+        word, shift = divmod(3 * i, 32)
+        v = words[:, word] >> shift
+        if shift > 29:  # its high bits open the next word
+            v = v | (words[:, word + 1] << (32 - shift))
+        values.append(v & 7)
+    return torch.stack(values, dim=1).flatten(0, 1)[:rows].to(torch.int32)
 
 
 def unpack_cols(packed: torch.Tensor, bits: int, cols: int) -> torch.Tensor:
@@ -186,7 +253,7 @@ class LayerCodes:
 
 def layer_codes(scheme: PackedScheme, parts: dict[str, torch.Tensor], name: str) -> LayerCodes:
     """One layer's tensors (by suffix, on one device) -> its codes, zero points and scales."""
-    bits = scheme.bits
+    bits = scheme.bits_of(name)
     if scheme.method in ("gptq", "awq"):
         scales = parts["scales"].to(torch.float32)  # [G, N]
         n = scales.shape[1]
@@ -241,8 +308,8 @@ def layer_codes(scheme: PackedScheme, parts: dict[str, torch.Tensor], name: str)
 
 def keeps_codes(scheme: PackedScheme | None) -> bool:
     """Whether the scheme's layers can run from their codes (packed_codes.py): 4-bit without
-    activation order (a layer whose groups are not runs of a multiple of 32 inputs still
-    loads dense)."""
+    activation order (a layer whose groups are not runs of a multiple of 32 inputs, or of
+    other bits by a `dynamic` override, still loads dense)."""
     return (
         scheme is not None
         and scheme.bits == 4
@@ -296,7 +363,8 @@ def unpack_weights(
             del waiting[prefix]
             on_device = {s: v.to(device) for s, v in parts.items()}
             codes = layer_codes(scheme, on_device, prefix)
-            kept = _codes_weight(codes, dtype) if keep_codes and scheme.bits == 4 else None
+            four = scheme.bits_of(prefix) == 4
+            kept = _codes_weight(codes, dtype) if keep_codes and four else None
             yield prefix + ".weight", codes.dense().to(dtype) if kept is None else kept
     if waiting:
         lost = [

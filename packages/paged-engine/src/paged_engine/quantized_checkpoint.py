@@ -19,7 +19,8 @@ they load, so any architecture runs them with its unquantized layers.
                         bits 2i..2i+1 of each byte as value + 1, and one `weight_scale`;
                         W = codes / scale (models/bitnet.py)
 
-Activation scales (`input_scale`) are dropped: activations stay in the model dtype. An fp8 KV
+Activation scales (`input_scale`) and all-zero weight zero points (symmetric schemes written by
+older compressed-tensors) are dropped: activations stay in the model dtype. An fp8 KV
 cache's scales (`k_scale`, ...) go on to worker/kv_scales.py. On CUDA an FP8 checkpoint then runs
 with quantization="fp8" (`fp8_checkpoint`; not in batch-invariant mode): its weights return to
 FP8 with a scale per output row (the checkpoint's own codes where it had per-row scales with
@@ -64,7 +65,7 @@ def checkpoint_block_size(config) -> tuple[int, int] | None:
 
 
 def check_checkpoint_quantization(config, supported: tuple[str, ...] = DEQUANTIZED) -> None:
-    """Refuse, naming it, a quantization the model cannot load (NVFP4, 3-bit GPTQ, asymmetric
+    """Refuse, naming it, a quantization the model cannot load (NVFP4, 5-bit GPTQ, asymmetric
     8-bit schemes, ...), before any weight is read."""
     quant = getattr(config, "quantization_config", None)
     if quant is None:
@@ -186,7 +187,11 @@ def dequantize_weights(
         if name.endswith(_DROPPED):
             continue
         if name.endswith(".weight_zero_point"):
-            raise ValueError(f"{name}: asymmetric (zero-point) weights are not supported")
+            # compressed-tensors before it dropped them kept a symmetric scheme's zero points:
+            # all zero, W = w * scale still
+            if t.to(torch.float32).count_nonzero():
+                raise ValueError(f"{name}: asymmetric (zero-point) weights are not supported")
+            continue
         scale_suffix = next((s for s in _SCALES if name.endswith(s)), None)
         if scale_suffix is not None:
             pair = pairs.add(name[: -len(scale_suffix)], t, first=False)

@@ -10,10 +10,12 @@ Invariants:
   their sizes arrive); a rejected body closes the connection instead of being drained.
 - Framing is unambiguous before any route runs: what llhttp (uvicorn's parser) refuses -- both
   framings at once, two Content-Lengths, one that is not 1*DIGIT or past 64 bits, a
-  Transfer-Encoding whose last coding is not chunked or that repeats it -- is a 400 that closes.
+  Transfer-Encoding whose last coding is not chunked or that repeats it, a request, header,
+  chunk-size or trailer line not ended by CRLF alone -- is a 400 that closes.
   An HTTP/1.0 request in chunked encoding is served, then its connection closes (RFC 9112 6.1).
 - Routes see the percent-decoded path (uvicorn's scope["path"], which Starlette routes on:
-  `%2F` is a "/" there too); the query stays as sent.
+  `%2F` is a "/" there too, and a leading "//" stays); the query stays as sent.
+- A "close" among a request's Connection options ends the connection after its answer.
 - Socket timeouts: `keep_alive_timeout` while waiting for the next request line, `io_timeout` for
   reading a body and for every write (a stuck streaming client fails its write and is aborted).
   The request line and headers must be complete within `keep_alive_timeout + io_timeout`,
@@ -50,7 +52,17 @@ from paged_server.tls import TLS
 log = logging.getLogger("paged_server")
 
 _DIGITS = re.compile(r"[0-9]+")
-_HEX = re.compile(rb"[0-9A-Fa-f]{1,16}")
+_TOKEN = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
+_QUOTED = rb'"(?:[\t !#-\[\]-~\x80-\xff]|\\[\t -~\x80-\xff])*"'
+# A chunk-size line as llhttp (strict, uvicorn's default) takes it: hex digits under 2**64 (any
+# leading zeros), extensions `;name[=token|quoted-string]` with no whitespace, then CRLF. A bare
+# CR or LF anywhere in it is refused: a proxy in front that reads the line otherwise would
+# frame the chunk data otherwise (request smuggling through chunk lines).
+_CHUNK_LINE = re.compile(
+    rb"([0-9A-Fa-f]+)(?:;" + _TOKEN + rb"(?:=(?:" + _TOKEN + rb"|" + _QUOTED + rb"))?)*\r\n"
+)
+# a trailer field line: name, colon, a value of visible characters, spaces and tabs; CRLF
+_TRAILER_LINE = re.compile(_TOKEN + rb":[\t -~\x80-\xff]*\r\n")
 _MAX_LINE = 4096  # a chunk-size or trailer line
 _MAX_BLANK_LINES = 8  # skipped before a request line
 _ACCEPT_EXHAUSTED = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
@@ -361,6 +373,25 @@ class Server(ThreadingHTTPServer):
 
 
 _UNREAD = object()  # Handler._json before the body is read
+_LINE_END = re.compile(rb"[^\r\n]*\r\n")  # a request or header line, CRLF-ended, no other CR
+
+
+class _CheckedLines:
+    """A request's reader for the base class's header parsing: notes a line that does not end
+    in CRLF or holds another CR (`malformed`); the line itself is returned as read."""
+
+    def __init__(self, rfile: Any) -> None:
+        self.rfile = rfile
+        self.malformed = False
+
+    def readline(self, limit: int = -1) -> bytes:
+        line = self.rfile.readline(limit)
+        if line and not _LINE_END.fullmatch(line):
+            self.malformed = True
+        return line
+
+    def __getattr__(self, name: str) -> Any:  # any other read the parser may make
+        return getattr(self.rfile, name)
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -407,7 +438,14 @@ class Handler(BaseHTTPRequestHandler):
         as the next request) and keeps folded lines and NUL bytes in values (RFC 9112 5.2,
         RFC 9110 5.5: reject them), and for ambiguous framing (`_framing_error`). Blank lines
         before the request line are skipped (RFC 9112 2.2: some clients send a CRLF after a
-        body; without this the next request on the connection is dropped unanswered)."""
+        body; without this the next request on the connection is dropped unanswered).
+
+        The request line and every header line must end in CRLF and hold no other CR (llhttp,
+        strict as uvicorn runs it, refuses the rest): the email parser ends a line at a bare CR
+        or LF as well, so "X: a<CR>Content-Length: 36" would frame a body that a proxy passing
+        the CR along never sent. Routes see the target as sent: the base class folds a leading
+        "//" into "/", which would serve "//v1/models" (Starlette: 404) and let a path a proxy in
+        front refuses ("/sleep") through as "//sleep"."""
         for _ in range(_MAX_BLANK_LINES):
             if self.raw_requestline not in (b"\r\n", b"\n"):
                 break
@@ -416,10 +454,21 @@ class Handler(BaseHTTPRequestHandler):
             self.requestline = self.request_version = self.command = ""
             self.send_error(414)
             return False
-        if not super().parse_request():
+        lines = _CheckedLines(self.rfile)
+        self.rfile = lines  # the base class reads the header lines through it
+        try:
+            if not super().parse_request():
+                return False
+        finally:
+            self.rfile = lines.rfile
+        self.path = self.requestline.split()[1]  # parsed: two or three words
+        if not _LINE_END.fullmatch(self.raw_requestline):
+            self.send_error(400, "malformed request line: it must end in CRLF, with no other CR")
             return False
-        if any(isinstance(d, _HEADER_DEFECTS) for d in self.headers.defects) or any(
-            _BAD_VALUE.search(v) for v in self.headers.values()
+        if (
+            lines.malformed
+            or any(isinstance(d, _HEADER_DEFECTS) for d in self.headers.defects)
+            or any(_BAD_VALUE.search(v) for v in self.headers.values())
         ):
             self.send_error(400, "malformed header line")
             return False
@@ -427,6 +476,15 @@ class Handler(BaseHTTPRequestHandler):
         if error is not None:
             self.send_error(400, error)
             return False
+        # Connection is a list of options, over any number of lines (RFC 9110 7.6.1): "close"
+        # anywhere ends the connection after this answer, no request after it served (RFC 9112
+        # 9.6; the base class reads the first line alone, and only when it is that one word).
+        lines = self.headers.get_all("Connection") or []
+        options = {o.strip(" \t").lower() for line in lines for o in line.split(",")}
+        if "close" in options:
+            self.close_connection = True
+        elif "keep-alive" in options and self.request_version == "HTTP/1.0":
+            self.close_connection = False
         if self.request_version == "HTTP/1.0" and "Transfer-Encoding" in self.headers:
             # RFC 9112 6.1: framing an HTTP/1.0 peer may not have meant; the body is read as
             # chunked (llhttp and h11 do), and the connection ends with the answer (as uvicorn
@@ -608,25 +666,27 @@ class Handler(BaseHTTPRequestHandler):
             self.wfile.flush()
 
     def _read_chunked(self) -> bytes:
-        """A chunked body (extensions ignored, trailers read and dropped), under the body size
-        limit and one io_timeout in total. Gathered in one buffer: a list of parts would cost
-        ~60 bytes of memory per 1-byte chunk (a 16 MiB body of them: ~1 GiB)."""
+        """A chunked body (extensions checked and ignored, trailer fields checked and dropped,
+        every line ended by CRLF as llhttp requires), under the body size limit and one
+        io_timeout in total. Gathered in one buffer: a list of parts would cost ~60 bytes of
+        memory per 1-byte chunk (a 16 MiB body of them: ~1 GiB)."""
         deadline = time.monotonic() + self.server.io_timeout
         data = bytearray()
         while True:
             line = self._read_line(deadline)
-            size_text = line.split(b";", 1)[0].strip()
-            if not _HEX.fullmatch(size_text):
+            match = _CHUNK_LINE.fullmatch(line)
+            if match is None or len(match[1].lstrip(b"0")) > 16:
                 raise bad_request(f"invalid chunk size line {line[:40]!r}")
-            size = int(size_text, 16)
+            size = int(match[1], 16)
             if size == 0:
                 break
             self._check_size(len(data) + size)
             data += self._read_exact(size, deadline)
             if self._read_exact(2, deadline) != b"\r\n":
                 raise bad_request("a chunk must end with CRLF")
-        while self._read_line(deadline) not in (b"\r\n", b"\n"):  # trailer fields
-            pass
+        while (line := self._read_line(deadline)) != b"\r\n":  # trailer fields, dropped
+            if not _TRAILER_LINE.fullmatch(line):
+                raise bad_request(f"invalid trailer line {line[:40]!r}")
         return bytes(data)
 
     def _read_line(self, deadline: float) -> bytes:

@@ -41,6 +41,20 @@ class _View:
             f"{name} to LLM(...) / LLMEngine(...) instead"
         )
 
+    # A view holds no state: a copy (deep too) is another view of the same engine, never a copy
+    # of the engine. (copy's default rebuilds the slot with setattr, which a view refuses.)
+    def __copy__(self) -> _View:
+        return type(self)(self._engine)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _View:
+        return type(self)(self._engine)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(
+            f"{type(self).__name__} is a view of a running engine and cannot be pickled: "
+            "pickle the values read from it"
+        )
+
     def __repr__(self) -> str:
         shown = ", ".join(f"{k}={getattr(self, k)!r}" for k in self._shown)
         return f"{type(self).__name__}({shown})"

@@ -192,11 +192,25 @@ def _plain(value: Any) -> Any:
 
 
 def launch_fingerprint(config: Any) -> dict[str, str]:
-    """`LAUNCH_FIELDS` of `config`, each as canonical JSON."""
+    """`LAUNCH_FIELDS` of `config`, each as canonical JSON (`_shared_part` of it)."""
     return {
-        name: json.dumps(getattr(config, name, None), sort_keys=True, default=_plain)
+        name: json.dumps(
+            _shared_part(name, getattr(config, name, None)), sort_keys=True, default=_plain
+        )
         for name in LAUNCH_FIELDS
     }
+
+
+def _shared_part(name: str, value: Any) -> Any:
+    """What of a field every rank must share. A KV-transfer storage path may differ per node
+    (the same shared storage mounted elsewhere): ranks that disagree on it only miss each
+    other's blocks, which are then recomputed, never read wrong. Connector and role must match."""
+    if name == "kv_transfer_config" and value is not None:
+        from paged_engine.kv_transfer.config import KVTransferConfig
+
+        kv = KVTransferConfig.parse(value)
+        return {"kv_connector": kv.kv_connector, "kv_role": kv.kv_role}
+    return value
 
 
 def launch_mismatch(fingerprints: list[dict[str, str]]) -> str | None:

@@ -34,15 +34,17 @@ VIDEO_ONLY = ("fps", "do_sample_frames")
 
 def check_token_ids(ids: list | tuple, vocab_size: int, what: str) -> list[int]:
     """`ids` as a list of ints, or ValueError naming `what` unless each is an integer (numpy's
-    too: `list(array)` holds them) in [0, vocab_size)."""
-    bad = [
-        t
-        for t in ids
-        if not isinstance(t, numbers.Integral) or isinstance(t, bool) or not 0 <= t < vocab_size
-    ]
+    too: `list(array)` holds them) in [0, vocab_size). Runs on every prompt: plain ints take
+    the fast path (an ABC isinstance per id made a 128k-id prompt ~8x slower to check)."""
+    if not all(type(t) is int for t in ids):  # numpy's integers, int subclasses, bad values
+        bad = [t for t in ids if not isinstance(t, numbers.Integral) or isinstance(t, bool)]
+        if bad:
+            raise ValueError(f"{what} token ids must be ints in [0, {vocab_size}); got {bad[:5]}")
+        ids = [int(t) for t in ids]
+    bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"{what} token ids must be ints in [0, {vocab_size}); got {bad[:5]}")
-    return [int(t) for t in ids]
+    return list(ids)
 
 
 @dataclass(slots=True)

@@ -55,7 +55,9 @@ class KVBlockIO:
             (name, dtype_name(t.dtype), tuple(t.shape[1 + j] for j in self._to_canon))
             for name, t in self._tensors
         ]
-        self._save_failing = False  # a save failed since the last that worked (one warning)
+        # saves failed since the last step whose saves all worked: one warning per spell (a
+        # nearly full disk fails some writes of every step, and logging is on that disk too)
+        self._save_failing = False
         if cfg.saves:
             try:
                 os.makedirs(self.root, exist_ok=True)
@@ -127,12 +129,12 @@ class KVBlockIO:
         if failed and not self._save_failing:
             logger.warning(
                 "kv_transfer_config: %d block(s) could not be saved under %s (%s); serving on "
-                "without storing them (logged again after a save works)",
+                "without storing them (logged again after a step's saves all work)",
                 len(failed),
                 self.root,
                 failed[0],
             )
-        self._save_failing = len(failed) == len(todo)
+        self._save_failing = bool(failed)
 
 
 def build_block_io(config: Any, cache: CacheEngine) -> KVBlockIO:

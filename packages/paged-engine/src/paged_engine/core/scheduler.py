@@ -268,7 +268,9 @@ class Scheduler(SeqLifecycle, Preemption, PrefixLookup, StepEmitter, LoneSteps):
                     n = min(n, seq.state_checkpoints[0] - seq.num_computed_tokens)
                 if n > 0:
                     assert num_tokens <= max_len, "the engine finishes at max_model_len"
-                    if planner is not None and n == 1:
+                    # Drafts ride on a decode row only (a one-token prompt chunk cut at a
+                    # state checkpoint runs the prompt's next tokens after it, not drafts).
+                    if planner is not None and num_tokens - seq.num_computed_tokens == 1:
                         if seq.num_pending and planner.due(req, seq, budget - 1):
                             continue  # it drafts once its token landed (planner.py)
                         # Drafts ride along only where their blocks are free: never preempt.

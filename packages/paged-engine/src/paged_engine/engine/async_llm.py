@@ -27,10 +27,11 @@ Invariants:
 - Failures fail requests, not the loop: an add's ValueError is raised to its caller; a
   step that raises is isolated by the engine core (core/step_isolation.py): its requests
   recompute, each alone, and only one that fails alone again gets the exception (its
-  generator raises what the step raised); the others go on. Any other exception of a step
-  (pipeline micro-batching, the scheduler) fails every request in flight with it (they are
-  aborted) and the loop serves on, unless the engine is dead (a lost worker rank: `errored`,
-  `dead_error`), when every later call raises it.
+  generator raises what the step raised); the others go on. A request that cannot fit the
+  KV pool even alone (the scheduler names it) fails alone with a ValueError. Any other
+  exception of a step (pipeline micro-batching, the scheduler) fails every request in flight
+  with it (they are aborted) and the loop serves on, unless the engine is dead (a lost worker
+  rank: `errored`, `dead_error`), when every later call raises it.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from typing import Any
 
 from paged_engine.config import EngineConfig
 from paged_engine.config_views import ModelConfig
+from paged_engine.core.scheduler import SchedulerStuckError
 from paged_engine.core.step_isolation import RequestFailedError
 from paged_engine.engine.request_ids import internal_request_id
 from paged_engine.executor.base import EngineDeadError
@@ -415,6 +417,13 @@ class AsyncLLM:
             except RequestFailedError as e:  # the requests to blame, alone: they fail
                 self._fail_culprits(e)
                 continue
+            except SchedulerStuckError as e:
+                if not e.request_ids:  # no culprit named: fail everything in flight
+                    logger.error("%s; failing the requests in flight", e)
+                    self._fail_all(e)
+                    continue
+                self._fail_stuck(e)
+                continue
             except Exception as e:  # fail the requests in flight, serve on
                 logger.exception("an engine step failed; failing the requests in flight")
                 self._fail_all(e)
@@ -467,6 +476,22 @@ class AsyncLLM:
                 del self._streams[out.request_id]
             out.request_id = stream.request_id
             stream.put(out)
+
+    def _fail_stuck(self, e: SchedulerStuckError) -> None:
+        """Requests that cannot fit the KV pool even alone (their n sequences outgrew it) fail
+        on their own with a ValueError; the others go on (paged-server answers them a 400)."""
+        logger.warning("%s: failing %s", e, ", ".join(e.request_ids))
+        self.engine.abort_request(e.request_ids)
+        num_blocks = self.engine.block_manager.pool.num_blocks - 1  # (less the null block)
+        for rid in e.request_ids:
+            stream = self._streams.pop(rid, None)
+            if stream is not None:
+                error = ValueError(
+                    "max_tokens: the request's sequences need more KV-cache blocks than the pool "
+                    f"holds ({num_blocks} blocks); lower 'n' / 'best_of' or 'max_tokens'"
+                )
+                error.__cause__ = e
+                stream.put(error)
 
     def _fail_culprits(self, e: RequestFailedError) -> None:
         for rid in e.request_ids:

@@ -59,5 +59,15 @@ def leftovers(engine: Any) -> dict[str, object]:
     if runner.lora is not None:
         sizes["worker LoRA users"] = +runner.lora.users
         sizes["worker LoRA row slots"] = [int(s) for s in runner.lora.row_slot if s >= 0]
+    planner = engine.draft_planner
+    if planner is not None:  # host-side drafting: per-sequence token buffers and pauses
+        sizes["draft planner texts"] = planner._texts
+        sizes["draft planner backoff"] = planner._backoff
+        if planner.suffix is not None:
+            sizes["suffix proposer texts"] = planner.suffix._texts
+    slots = sched.state_slots
+    if slots is not None:  # a hybrid model's recurrent-state seats
+        sizes["state seats taken"] = slots.num_slots - slots.num_free
+        sizes["state seats held"] = slots._held
     counts = {k: v if isinstance(v, int) else len(v) for k, v in sizes.items()}
     return {k: n for k, n in counts.items() if n}

@@ -275,15 +275,22 @@ _DTYPES = {
     "bf16": torch.bfloat16,
 }
 
+_DTYPE_SUBS = ("vision_config", "encoder_config")
+
 
 def resolve_dtype(dtype: str | torch.dtype, hf_config) -> torch.dtype:
     """ "auto" = the checkpoint's dtype (config `dtype` / `torch_dtype`), float32 if absent."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        # vars(): transformers 5 warns on reading the deprecated `torch_dtype` attribute.
-        attrs = vars(hf_config)
-        cfg = attrs.get("dtype") or attrs.get("torch_dtype")
+        # vars(): transformers 5 warns on reading the deprecated `torch_dtype` attribute. A root
+        # without one: its text, vision, then encoder config's (vLLM's order; Qwen3-VL writes
+        # its dtype in text_config alone).
+        text = getattr(hf_config, "get_text_config", lambda: None)()
+        cfg = None
+        for sub in (hf_config, text, *(getattr(hf_config, k, None) for k in _DTYPE_SUBS)):
+            attrs = sub if isinstance(sub, dict) else vars(sub) if sub is not None else {}
+            cfg = cfg or attrs.get("dtype") or attrs.get("torch_dtype")
         if cfg is None:
             return torch.float32
         if isinstance(cfg, torch.dtype):

@@ -8,13 +8,15 @@ import logging
 
 import numpy as np
 import pytest
+import test_offline_hostile as hostile
 
 from paged_engine import LLM, PoolingParams, SamplingParams
 from paged_engine.outputs import RequestOutput
 from paged_engine.pooling import PoolingRequestOutput
 from paged_engine.sampling_params import BeamSearchParams
 
-GREEDY = SamplingParams(max_tokens=3, temperature=0)
+# the module's engine (`llm`, `want`: fixtures) and its health check, the hostile tests' own
+llm, want, still_serves, GREEDY = hostile.llm, hostile.want, hostile.still_serves, hostile.GREEDY
 CONV = [{"role": "user", "content": "hi"}]
 # shows what reached the template: the messages, tools, the generation prompt, one variable
 SHOW = (
@@ -22,23 +24,6 @@ SHOW = (
     "{% if tools %}T{{ tools | length }}{% endif %}"
     "{% if add_generation_prompt %}G{% endif %}{{ extra | default('') }}"
 )
-
-
-@pytest.fixture(scope="module")
-def llm(tiny_llama_dir):
-    llm = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=64, num_gpu_blocks_override=64)
-    yield llm
-    llm.llm_engine.shutdown()
-
-
-@pytest.fixture(scope="module")
-def want(llm) -> list[int]:
-    return list(llm.generate(["hi"], GREEDY, use_tqdm=False)[0].outputs[0].token_ids)
-
-
-def still_serves(llm: LLM, want: list[int]) -> None:
-    out = llm.generate(["hi"], GREEDY, use_tqdm=False)
-    assert list(out[0].outputs[0].token_ids) == want
 
 
 def test_params_list_entries_of_the_other_kind_are_refused(llm, want) -> None:

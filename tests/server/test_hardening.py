@@ -22,8 +22,8 @@ def trusting(tiny_model: str) -> Iterator[SimpleNamespace]:
     engine = FakeEngine(max_model_len=MAX_MODEL_LEN, step_time=0.001)
     engine.tokenizer = tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     args = [*COMMON_ARGS, "--trust-request-chat-template"]
-    with serve_in_process(args, engine) as (http, _app):
-        yield SimpleNamespace(http=http, tokenizer=tokenizer)
+    with serve_in_process(args, engine) as (http, app):
+        yield SimpleNamespace(http=http, app=app, tokenizer=tokenizer)
 
 
 def _error(server: ServerProc, path: str, body: dict) -> dict:

@@ -21,12 +21,10 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from types import SimpleNamespace
 
 import pytest
-from fake_engine import FakeEngine
-from server_proc import COMMON_ARGS, MAX_MODEL_LEN, serve_in_process
+import test_hardening as hardening
 
 from paged_server.template_budget import TemplateBudgetExceeded, bounded
 
@@ -35,17 +33,14 @@ NESTED = "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{%
 BUDGET = 0.5  # seconds: the app's budget in these tests
 
 
-@pytest.fixture(scope="module")
-def trusting(tiny_model: str) -> Iterator[SimpleNamespace]:
-    """In process: the fake engine behind a real HF tokenizer, request templates trusted."""
-    from transformers import AutoTokenizer
+# test_hardening's server: the fake engine behind a real HF tokenizer, request templates
+# trusted (a fixture: this module's own instance)
+trusting = hardening.trusting
 
-    engine = FakeEngine(max_model_len=MAX_MODEL_LEN, step_time=0.001)
-    engine.tokenizer = tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-    args = [*COMMON_ARGS, "--trust-request-chat-template"]
-    with serve_in_process(args, engine) as (http, app):
-        app.template_seconds = BUDGET
-        yield SimpleNamespace(http=http, app=app, tokenizer=tokenizer)
+
+@pytest.fixture(scope="module", autouse=True)
+def _budget(trusting: SimpleNamespace) -> None:
+    trusting.app.template_seconds = BUDGET
 
 
 def _post(srv: SimpleNamespace, path: str, body: dict, timeout: float = 20.0) -> tuple[int, dict]:

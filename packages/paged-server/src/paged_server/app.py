@@ -71,6 +71,7 @@ from paged_server.structured_request import check_structured
 from paged_server.template_budget import (
     REQUEST_TEMPLATE_SECONDS,
     TemplateBudgetExceeded,
+    TemplateOutputExceeded,
     bounded,
 )
 from paged_server.tool_parsers import TOOL_PARSERS
@@ -603,7 +604,10 @@ class OpenAIApp:
         try:
             if request_template is None:
                 return render()
-            text = bounded(render, self.template_seconds)
+            text = bounded(render, self.template_seconds, MAX_RENDERED_CHARS)
+            size = len(text)
+        except TemplateOutputExceeded as e:  # stopped as it passed the bound, never held whole
+            text, size = "", e.chars
         except TemplateBudgetExceeded:
             raise bad_request(
                 f"the request's chat template did not render within {self.template_seconds:g} "
@@ -612,9 +616,9 @@ class OpenAIApp:
             ) from None
         except Exception as e:  # template errors are the request's (or the template's) fault
             raise bad_request(f"could not apply the chat template: {e}", "messages") from None
-        if len(text) > MAX_RENDERED_CHARS:  # (its tokenization would take minutes)
+        if size > MAX_RENDERED_CHARS:  # (its tokenization would take minutes)
             raise bad_request(
-                f"the request's chat template rendered {len(text)} characters, over "
+                f"the request's chat template rendered {size} characters, over "
                 f"{MAX_RENDERED_CHARS} (the request body limit's worth of prompt)",
                 param,
             )

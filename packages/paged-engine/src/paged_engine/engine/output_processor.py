@@ -321,8 +321,17 @@ class OutputProcessor:
             seq.finish_reason, seq.stop_reason = upd.finish_reason, upd.stop_reason
             if seq.detokenizer is not None:
                 seq.text = ""
-                seq.detokenizer.finalize()  # flush an unfinished character held for streaming
+                # flush text held for streaming (an unfinished character, a byte-fallback run)
+                delta = seq.detokenizer.finalize()
                 seq.text = seq.detokenizer.output_text
+                # the flushed text can hold a stop string, as any other delta
+                if params.stop and delta and len(seq.token_ids) > params.min_tokens:
+                    hit = find_stop(
+                        seq.text, len(delta), params.stop, params.include_stop_str_in_output
+                    )
+                    if hit is not None:
+                        seq.text = seq.text[: hit[0]]
+                        seq.finish_reason, seq.stop_reason = "stop", hit[1]
         return False
 
     def _apply_deferred(self, params: SamplingParams, seq: SeqText, upd: SeqUpdate) -> bool:

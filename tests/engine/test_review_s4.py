@@ -154,3 +154,30 @@ def test_launch_fingerprint_ignores_a_per_node_kv_storage_path() -> None:
     role = launch_mismatch([rank("/kv"), rank("/kv", "kv_producer")])
     assert role is not None and "kv_transfer_config" in role  # what shapes the work still must
     assert "max_model_len" in (launch_mismatch([rank("/kv"), rank("/kv", max_model_len=64)]) or "")
+
+
+def test_cached_tokens_are_the_first_admissions_after_a_recompute(tiny_llama_dir) -> None:
+    """num_cached_tokens is vLLM's: the prefix-cache hit at the request's first schedule. It
+    was the last admission's: a request preempted (recompute) while its prompt was still in
+    chunks hit its own blocks when readmitted and reported them (32 here) as cached."""
+    from paged_engine.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(
+        model=str(tiny_llama_dir),
+        dtype="float32",
+        max_model_len=128,
+        num_gpu_blocks_override=32,
+        max_num_batched_tokens=16,  # the 40-token prompt runs in chunks of 16
+    )
+    try:
+        prompt = {"prompt_token_ids": list(range(100, 140))}  # two full 16-token blocks
+        engine.add_request("a", prompt, SamplingParams(max_tokens=4, temperature=0))
+        outs = engine.step() + engine.step()  # two chunks: two full blocks, no token yet
+        (req,) = engine.scheduler.requests.values()
+        engine.scheduler._preempt(req, [])  # recompute: readmitted, its two blocks cached
+        while engine.has_unfinished_requests():
+            outs += engine.step()
+        assert req.num_preemptions == 1 and req.seqs[0].num_cached_tokens == 32
+        assert {o.num_cached_tokens for o in outs} == {0}
+    finally:
+        engine.shutdown()

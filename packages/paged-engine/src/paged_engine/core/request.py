@@ -152,6 +152,9 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)  # every sequence, live and finished
     status: RequestStatus = RequestStatus.WAITING
     first_scheduled_time: float | None = None
+    # prefix-cache hits (local and external) of its first sequence at its FIRST schedule, as
+    # vLLM reports them: a readmission after a recompute preemption hits its own blocks
+    num_cached_tokens: int = 0
     finished_time: float | None = None
     num_preemptions: int = 0
     # Token-level stop rules, checked by the engine core when a token is appended.

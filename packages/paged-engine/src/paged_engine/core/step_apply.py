@@ -92,8 +92,7 @@ class StepApplier:
             if o is None:  # _new_output, inlined
                 o = outputs[rid] = EngineCoreOutput(rid, [])
                 o.first_scheduled_time = req.first_scheduled_time
-                first = req.seqs[0]  # (vLLM's count: local and external prefix hits)
-                o.num_cached_tokens = first.num_cached_tokens + first.num_external_tokens
+                o.num_cached_tokens = req.num_cached_tokens
             if spec and seq_id in spec:  # speculative: tokens i..j-1 follow one another
                 num_appended += self._apply_verified(seq, spec[seq_id], out, i, j, o)
             elif j - i > 1 or req.constraint is not None:
@@ -296,8 +295,7 @@ class StepApplier:
         # keyword arguments would cost twice the time of this, per request and step.
         o = outputs[req.request_id] = EngineCoreOutput(req.request_id, [])
         o.first_scheduled_time = req.first_scheduled_time
-        first = req.seqs[0]
-        o.num_cached_tokens = first.num_cached_tokens + first.num_external_tokens
+        o.num_cached_tokens = req.num_cached_tokens
         return o
 
     def _beam_step(

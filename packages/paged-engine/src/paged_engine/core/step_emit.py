@@ -53,6 +53,8 @@ class StepEmitter:
             if req.first_scheduled_time is None:
                 now = self.clock() if now is None else now
                 req.first_scheduled_time = now
+                first = req.seqs[0]
+                req.num_cached_tokens = first.num_cached_tokens + first.num_external_tokens
         out.seq_ids = [seq.seq_id for seq, _ in planned]
         out.num_new_tokens = num_new = [n for _, n in planned]
         out.start_positions = [seq.num_computed_tokens for seq, _ in planned]

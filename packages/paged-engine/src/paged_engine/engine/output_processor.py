@@ -307,16 +307,9 @@ class OutputProcessor:
             seq.text = ""
             delta = detok.add_tokens([token])
             seq.text = detok.output_text
-            # stop strings skip the text of the first min_tokens tokens (vLLM's detokenizer)
-            if params.stop and delta and len(seq.token_ids) > params.min_tokens:
-                hit = find_stop(
-                    seq.text, len(delta), params.stop, params.include_stop_str_in_output
-                )
-                if hit is not None:
-                    seq.text = seq.text[: hit[0]]
-                    seq.finish_reason, seq.stop_reason = "stop", hit[1]
-                    # The core already freed it when it also ended there (eos, max_tokens).
-                    return upd.finish_reason is None
+            if params.stop and delta and _cut_at_stop(seq, params, len(delta)):
+                # The core already freed it when it also ended there (eos, max_tokens).
+                return upd.finish_reason is None
         if upd.finish_reason is not None:
             seq.finish_reason, seq.stop_reason = upd.finish_reason, upd.stop_reason
             if seq.detokenizer is not None:
@@ -324,14 +317,8 @@ class OutputProcessor:
                 # flush text held for streaming (an unfinished character, a byte-fallback run)
                 delta = seq.detokenizer.finalize()
                 seq.text = seq.detokenizer.output_text
-                # the flushed text can hold a stop string, as any other delta
-                if params.stop and delta and len(seq.token_ids) > params.min_tokens:
-                    hit = find_stop(
-                        seq.text, len(delta), params.stop, params.include_stop_str_in_output
-                    )
-                    if hit is not None:
-                        seq.text = seq.text[: hit[0]]
-                        seq.finish_reason, seq.stop_reason = "stop", hit[1]
+                if params.stop and delta:  # it can hold a stop string, as any other delta
+                    _cut_at_stop(seq, params, len(delta))
         return False
 
     def _apply_deferred(self, params: SamplingParams, seq: SeqText, upd: SeqUpdate) -> bool:
@@ -545,3 +532,17 @@ class OutputProcessor:
 
 def _aborted(co: EngineCoreOutput) -> bool:
     return any(u.finish_reason == "abort" for u in co.seqs)
+
+
+def _cut_at_stop(seq: SeqText, params: SamplingParams, num_new_chars: int) -> bool:
+    """Does the text's last `num_new_chars` complete a stop string? Then the text is cut there
+    and the sequence finishes ("stop"). Stop strings skip the text of the first min_tokens
+    tokens (vLLM's detokenizer)."""
+    if len(seq.token_ids) <= params.min_tokens:
+        return False
+    hit = find_stop(seq.text, num_new_chars, params.stop, params.include_stop_str_in_output)
+    if hit is None:
+        return False
+    seq.text = seq.text[: hit[0]]
+    seq.finish_reason, seq.stop_reason = "stop", hit[1]
+    return True

@@ -22,6 +22,7 @@ import dataclasses
 import datetime
 import logging
 import os
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -86,18 +87,34 @@ class ParallelState:
 
 _SINGLE = ParallelState(0, 1, 1, 1, None, None, None)
 _state: ParallelState = _SINGLE
+# Per thread: a world of 1 while a single-process engine's worker runs (`outside_world`).
+_local = threading.local()
 
 
 def get_parallel_state() -> ParallelState:
-    return _state
+    own = getattr(_local, "state", None)
+    return _state if own is None else own
 
 
 def get_tp_rank() -> int:
-    return _state.tp_rank
+    return get_parallel_state().tp_rank
 
 
 def get_tp_size() -> int:
-    return _state.tp_size
+    return get_parallel_state().tp_size
+
+
+@contextmanager
+def outside_world() -> Iterator[None]:
+    """While open, this thread's getters answer as rank 0 of a world of 1 whatever world the
+    process joined: a single-process engine next to an engine with ranks (whose rank 0 lives in
+    this process) builds unsharded layers and its steps run no collective."""
+    saved = getattr(_local, "state", None)
+    _local.state = _SINGLE
+    try:
+        yield
+    finally:
+        _local.state = saved
 
 
 def init_parallel_state(

@@ -19,6 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from paged_engine.config import EngineConfig
 from paged_engine.core.sched_output import SchedulerOutput
+from paged_engine.distributed.parallel_state import outside_world
 from paged_engine.executor.base import Executor, RunnerOutputHandle
 from paged_engine.loader import ResolvedModel
 from paged_engine.worker.extension import worker_class
@@ -51,8 +52,8 @@ class UniprocExecutor(Executor):
     def _call(self, fn, *args):
         """Run fn on the worker's thread (or inline) and wait for it."""
         if self._thread is None:
-            return fn(*args)
-        return self._thread.submit(fn, *args).result()
+            return _unsharded(fn, *args)
+        return self._thread.submit(_unsharded, fn, *args).result()
 
     def determine_num_blocks(self) -> int:
         return self._call(self.worker.determine_num_blocks)
@@ -62,8 +63,8 @@ class UniprocExecutor(Executor):
 
     def execute_model(self, sched: SchedulerOutput) -> RunnerOutputHandle:
         if self._thread is None:
-            return self.worker.execute_model(sched)
-        return _FutureHandle(self._thread.submit(self.worker.execute_model, sched))
+            return _unsharded(self.worker.execute_model, sched)
+        return _FutureHandle(self._thread.submit(_unsharded, self.worker.execute_model, sched))
 
     def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None) -> list:
         return self._call(self.worker.collective_rpc, method, args, kwargs)
@@ -78,3 +79,10 @@ class UniprocExecutor(Executor):
         if self._thread is not None:
             self._thread.shutdown(wait=True)
             self._thread = None
+
+
+def _unsharded(fn, *args):
+    # An engine with ranks may share this process (its rank 0): this worker is a world of 1
+    # all the same, from building its layers to every step.
+    with outside_world():
+        return fn(*args)

@@ -21,9 +21,9 @@ blocks again when it is recomputed) or by swap (its blocks are copied to the CPU
 back, with `num_computed_tokens` intact, when it is readmitted). `preemption_mode` picks one;
 None chooses per request by cost (`_swaps`). Without chunked prefill a request's work runs whole,
 unless it could never fit one step (a multi-sequence recompute). A step that can schedule
-nothing while requests remain (and no step is in flight) raises SchedulerStuckError (a
-RuntimeError naming the request that cannot fit, when one alone is to blame) instead of
-looping forever.
+nothing while requests remain (and no step is in flight), or in which a request preempts
+itself with the whole pool to itself, raises SchedulerStuckError (a RuntimeError naming the
+request that cannot fit, when one alone is to blame) instead of looping forever.
 
 The output is plain data (`SchedulerOutput`): `num_computed_tokens` advances here, when a step
 is scheduled, and a token the step will sample counts as pending (`Sequence.num_pending`) until
@@ -233,6 +233,7 @@ class Scheduler(SeqLifecycle, Preemption, PrefixLookup, StepEmitter, LoneSteps):
         planned: list[tuple[Sequence, int]] = []
         admitted: list[Request] = []  # from the waiting queue (running ones ran before)
         preempted: list[Request] = []
+        hopeless: Request | None = None  # preempted itself with the whole pool to itself
         num_seqs = self.seats_held  # live sequences of the requests still running after this pass
         planner = self.draft_planner
         if planner is not None:
@@ -280,6 +281,8 @@ class Scheduler(SeqLifecycle, Preemption, PrefixLookup, StepEmitter, LoneSteps):
                             self._drafts[seq.seq_id] = drafts
                     if not allocate(seq, n) and not self._make_room(req, seq, n, preempted):
                         num_seqs -= req.max_live_seqs
+                        if hopeless is None and self._outgrew_pool(req):
+                            hopeless = req
                         continue  # req preempted itself
                     planned.append((seq, n))
                     budget -= n
@@ -301,6 +304,8 @@ class Scheduler(SeqLifecycle, Preemption, PrefixLookup, StepEmitter, LoneSteps):
                 allocate(seq, n) or self._make_room(req, seq, n, preempted) for seq, n in plan
             ):
                 num_seqs -= len(seqs)
+                if hopeless is None and self._outgrew_pool(req):
+                    hopeless = req
                 continue  # req preempted itself
             if plan:
                 budget -= sum(n for _, n in plan)
@@ -373,16 +378,24 @@ class Scheduler(SeqLifecycle, Preemption, PrefixLookup, StepEmitter, LoneSteps):
         if passed:
             self.waiting.extendleft(reversed(passed))
 
-        if not planned and self.requests and not busy and not self._any_pending():
+        if hopeless is not None:
+            # Apart from the test below, which pipeline micro-batching can keep from ever
+            # firing: requests admitted while this one's step was in flight take the blocks it
+            # needs next; it preempts them mid-flight, then itself, is readmitted for a chunk
+            # that fits, and so on. (Nothing ran: it headed `running`, a preemption admits none.)
+            assert not planned
+            culprits = [hopeless.request_id]
+        elif not planned and self.requests and not busy and not self._any_pending():
             # Nothing runs: the head of the queue cannot fit even alone, so it alone is named.
             culprits = [] if self.running or not self.waiting else [self.waiting[0].request_id]
-            raise SchedulerStuckError(
-                "scheduler cannot make progress: a request needs more KV blocks than the pool "
-                "holds, or more tokens/sequences in one step than max_num_batched_tokens / "
-                f"max_num_seqs allow ({len(self.running)} running, {len(self.waiting)} waiting)",
-                culprits,
-            )
-        return self._emit(planned, admitted)
+        else:
+            return self._emit(planned, admitted)
+        raise SchedulerStuckError(
+            "scheduler cannot make progress: a request needs more KV blocks than the pool "
+            "holds, or more tokens/sequences in one step than max_num_batched_tokens / "
+            f"max_num_seqs allow ({len(self.running)} running, {len(self.waiting)} waiting)",
+            culprits,
+        )
 
     def _with_drafts(
         self, req: Request, plan: list[tuple[Sequence, int]], budget: int
@@ -415,6 +428,13 @@ class Scheduler(SeqLifecycle, Preemption, PrefixLookup, StepEmitter, LoneSteps):
         req.status = RequestStatus.RUNNING
         for seq in seqs:
             seq.status = _RUNNING
+
+    def _outgrew_pool(self, req: Request) -> bool:
+        """`req` just preempted itself: did it fail with every block of the pool its own (no
+        other request running, all blocks free now)? Its sequences keep their tokens, so it
+        can never fit: it is to blame."""
+        pool = self.block_manager.pool
+        return not self.running and pool.num_free_blocks == pool.num_blocks - 1
 
     def _any_pending(self) -> bool:
         return any(req.num_pending for req in self.requests.values())

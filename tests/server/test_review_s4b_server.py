@@ -77,4 +77,4 @@ def test_the_budget_holds_when_each_iteration_is_a_costly_c_step() -> None:
     start = time.monotonic()
     with pytest.raises(template_budget.TemplateBudgetExceeded):
         template_budget.bounded(template.render, 0.5)
-    assert time.monotonic() - start < 1.5
+    assert time.monotonic() - start < 2.5  # (0.6 s quiet; the old code: 3.7 s)

@@ -278,6 +278,15 @@ _DTYPES = {
 _DTYPE_SUBS = ("vision_config", "encoder_config")
 
 
+def _dtype_configs(hf_config) -> Iterator[Any]:
+    """The configs that may name the checkpoint's dtype, in vLLM's order: the root, then (read
+    only when the root names none) its text, vision and encoder configs."""
+    yield hf_config
+    get_text = getattr(hf_config, "get_text_config", None)
+    subs = (get_text() if get_text else None, *(getattr(hf_config, k, None) for k in _DTYPE_SUBS))
+    yield from (sub for sub in subs if sub is not None)
+
+
 def resolve_dtype(dtype: str | torch.dtype, hf_config) -> torch.dtype:
     """ "auto" = the checkpoint's dtype (config `dtype` / `torch_dtype`), float32 if absent."""
     if isinstance(dtype, torch.dtype):
@@ -286,11 +295,12 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config) -> torch.dtype:
         # vars(): transformers 5 warns on reading the deprecated `torch_dtype` attribute. A root
         # without one: its text, vision, then encoder config's (vLLM's order; Qwen3-VL writes
         # its dtype in text_config alone).
-        text = getattr(hf_config, "get_text_config", lambda: None)()
         cfg = None
-        for sub in (hf_config, text, *(getattr(hf_config, k, None) for k in _DTYPE_SUBS)):
-            attrs = sub if isinstance(sub, dict) else vars(sub) if sub is not None else {}
-            cfg = cfg or attrs.get("dtype") or attrs.get("torch_dtype")
+        for sub in _dtype_configs(hf_config):
+            attrs = sub if isinstance(sub, dict) else vars(sub)
+            cfg = attrs.get("dtype") or attrs.get("torch_dtype")
+            if cfg:
+                break
         if cfg is None:
             return torch.float32
         if isinstance(cfg, torch.dtype):

@@ -437,12 +437,7 @@ class EngineClient:
             return
         log.warning("%s: failing %s", e, ", ".join(e.request_ids))
         total = getattr(self.stats, "num_total_blocks", None)
-        err = bad_request(
-            "the request's sequences need more KV-cache blocks than the server's pool holds"
-            + (f" ({total} blocks)" if total else "")
-            + "; lower 'n' / 'best_of' or 'max_tokens'",
-            "max_tokens",
-        )
+        err = bad_request(e.culprit_message(total), "max_tokens")
         self._fail(e.request_ids, err)
         self._abort_in_engine(e.request_ids)  # free it even if its stream was already gone
 

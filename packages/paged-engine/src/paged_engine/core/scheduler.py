@@ -77,6 +77,15 @@ class SchedulerStuckError(RuntimeError):
         super().__init__(message)
         self.request_ids = request_ids
 
+    @staticmethod
+    def culprit_message(num_blocks: int | None) -> str:
+        """What a named request's client is told (its `max_tokens` is the parameter to name)."""
+        held = f" ({num_blocks} blocks)" if num_blocks else ""
+        return (
+            f"the request's sequences need more KV-cache blocks than the pool holds{held}; "
+            "lower 'n' / 'best_of' or 'max_tokens'"
+        )
+
 
 class Scheduler(SeqLifecycle, Preemption, PrefixLookup, StepEmitter, LoneSteps):
     def __init__(

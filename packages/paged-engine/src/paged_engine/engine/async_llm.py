@@ -486,10 +486,7 @@ class AsyncLLM:
         for rid in e.request_ids:
             stream = self._streams.pop(rid, None)
             if stream is not None:
-                error = ValueError(
-                    "max_tokens: the request's sequences need more KV-cache blocks than the pool "
-                    f"holds ({num_blocks} blocks); lower 'n' / 'best_of' or 'max_tokens'"
-                )
+                error = ValueError(f"max_tokens: {e.culprit_message(num_blocks)}")
                 error.__cause__ = e
                 stream.put(error)
 

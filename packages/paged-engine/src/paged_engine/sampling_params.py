@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import enum
+import logging
 import math
 import numbers
 import operator
@@ -17,8 +18,13 @@ from typing import Any
 
 from paged_engine.structured_output.params import StructuredOutputsParams
 
+logger = logging.getLogger(__name__)
+
 # Temperatures below this are greedy (argmax); the same threshold the sampler uses.
 SAMPLING_EPS = 1e-5
+# vLLM's _MAX_TEMP: a temperature in (0, MIN_TEMPERATURE) is raised to it (logits / 1e-4 can
+# overflow to inf / nan); 0 stays greedy.
+MIN_TEMPERATURE = 1e-2
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -183,7 +189,8 @@ class RepetitionDetectionParams:
 class SamplingParams:
     """How to sample one request (vLLM semantics).
 
-    `temperature` < 1e-5 is greedy: top_p, top_k and min_p are then normalized to "off".
+    `temperature` 0 is greedy: top_p, top_k and min_p are then normalized to "off"; one in
+    (0, 0.01) is raised to 0.01 with a warning (vLLM's clamp), so it samples.
     `top_k` 0 or -1 means off (stored as 0). `max_tokens=None` means up to max_model_len.
     `logprobs=k` returns the top-k raw logprobs per output token plus the sampled one (0: only
     the sampled token). `use_beam_search=True` makes the engine run beam search with
@@ -269,6 +276,14 @@ class SamplingParams:
             setattr(self, name, _as_float(name, getattr(self, name)))
         for name in ("temperature", "top_p", "min_p", "length_penalty"):
             setattr(self, name, _as_float(name, getattr(self, name)))
+        if 0.0 < self.temperature < MIN_TEMPERATURE:
+            logger.warning(
+                "temperature %s is below %s (logits would overflow): using %s",
+                self.temperature,
+                MIN_TEMPERATURE,
+                MIN_TEMPERATURE,
+            )
+            self.temperature = MIN_TEMPERATURE
         self.top_k = _as_int("top_k", self.top_k)
         self.seed = _as_int("seed", self.seed, optional=True)
         if self.seed == -1:  # vLLM: -1 is no seed

@@ -61,6 +61,14 @@ def make_id_to_token_fn(tokenizer: Any) -> Callable[[int], str | None]:
     return tokenizer.id_to_token
 
 
+def added_token_texts(tokenizer: Any) -> dict[int, str]:
+    """id -> content of every added token (special or not) of an HF fast or raw tokenizer."""
+    backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
+    get = getattr(backend, "get_added_tokens_decoder", None)
+    added = get() if callable(get) else {}
+    return {i: t.content for i, t in added.items()}
+
+
 def has_byte_fallback(tokenizer: Any) -> bool:
     """Whether the vocabulary has SentencePiece byte-fallback tokens (<0x00> ... <0xFF>)."""
     if hasattr(tokenizer, "convert_tokens_to_ids"):
@@ -96,10 +104,12 @@ class IncrementalDetokenizer:
     """
 
     __slots__ = (
+        "_added",
         "_byte_fallback",
         "_decode",
         "_id_to_token",
         "_ids",
+        "_last_added",
         "_skip_special_tokens",
         "num_prompt_tokens",
         "output_text",
@@ -128,6 +138,15 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = len(self._ids)
         self.output_text = ""
+        # vLLM's fast detokenizer with spaces_between_special_tokens=False (and specials kept):
+        # an added token right after another added output token is its bare content, without
+        # the separator a decoder such as WordPiece puts between tokens. Slow tokenizers get
+        # the flag through decode() instead.
+        self._added: dict[int, str] | None = None
+        self._last_added = False
+        fast = getattr(tokenizer, "is_fast", True)
+        if fast and not (skip_special_tokens or spaces_between_special_tokens):
+            self._added = added_token_texts(tokenizer) or None
 
     @property
     def num_held_tokens(self) -> int:
@@ -136,15 +155,24 @@ class IncrementalDetokenizer:
 
     def add_tokens(self, new_token_ids: Sequence[int]) -> str:
         """Append tokens; return the newly stable text (possibly "") and extend output_text."""
-        self._ids.extend(new_token_ids)
-        return self._advance(final=False)
+        if self._added is None:
+            self._ids.extend(new_token_ids)
+            return self._advance(final=False)
+        delta = ""
+        for token_id in new_token_ids:  # one at a time: each may follow an added token
+            self._ids.append(token_id)
+            content = self._added.get(token_id)
+            bare = content if self._last_added else None
+            delta += self._advance(final=False, bare=bare)
+            self._last_added = content is not None
+        return delta
 
     def finalize(self) -> str:
         """Emit whatever is held back (an unfinished character decodes to U+FFFD, as a full
         decode would). Call once the sequence is finished."""
         return self._advance(final=True)
 
-    def _advance(self, *, final: bool) -> str:
+    def _advance(self, *, final: bool, bare: str | None = None) -> str:
         if self.read_offset == len(self._ids):
             return ""
         prefix_text = self._decode(self._ids[self.prefix_offset : self.read_offset])
@@ -158,7 +186,9 @@ class IncrementalDetokenizer:
             if new_text == prefix_text and not partial:
                 self.read_offset = len(self._ids)
             return ""
-        delta = new_text[len(prefix_text) :]
+        # `bare`: the new token's own text. The token before it was an added token, which
+        # decodes whole and so left nothing held: the new text is this token's alone.
+        delta = new_text[len(prefix_text) :] if bare is None else bare
         self.prefix_offset, self.read_offset = self.read_offset, len(self._ids)
         self._trim()
         self.output_text = append_text(self, delta)
@@ -205,21 +235,19 @@ def find_stop(
 
     Only the tail that can hold a new match is searched, per stop string (the text before it
     was checked on earlier steps, or skipped under min_tokens: a short stop there is no match
-    however long the other stops are). Returns (length to truncate output_text to, the stop
-    string) for the earliest match, or None. The stop string is kept only with
-    include_stop_str_in_output.
+    however long the other stops are). The stop strings are tried in their list order and the
+    first one found wins, at its first match in that tail (vLLM's `check_stop_strings`): with
+    stop=["b", "a"] and new text "ab" the stop is "b" and the text is cut to "a". Returns
+    (length to truncate output_text to, the stop string), or None. The stop string is kept
+    only with include_stop_str_in_output.
     """
     if not stops or num_new_chars <= 0:
         return None
-    best: tuple[int, str] | None = None
     for stop in stops:
         pos = output_text.find(stop, max(0, len(output_text) - num_new_chars - len(stop) + 1))
-        if pos != -1 and (best is None or pos < best[0]):
-            best = (pos, stop)
-    if best is None:
-        return None
-    pos, stop = best
-    return (pos + len(stop) if include_stop_str_in_output else pos), stop
+        if pos != -1:
+            return (pos + len(stop) if include_stop_str_in_output else pos), stop
+    return None
 
 
 def stop_holdback(output_text: str, stops: Sequence[str]) -> int:

@@ -467,9 +467,10 @@ class OutputProcessor:
         params: SamplingParams, seq: SeqText, index: int, delta: bool
     ) -> CompletionOutput:
         text = seq.text
-        if seq.finish_reason is None and params.stop:
+        if seq.finish_reason is None and params.stop and not params.include_stop_str_in_output:
             # Hold back a tail that may still grow into a stop string: a streaming client must
-            # never receive text that is cut later.
+            # never receive text that is cut later. (A kept stop string ends in new text, and
+            # the cut comes after it: nothing sent is cut, so nothing is held, as in vLLM.)
             hold = stop_holdback(text, params.stop)
             text = text[: len(text) - hold] if hold else text
         token_ids, logprobs = seq.token_ids, seq.logprobs

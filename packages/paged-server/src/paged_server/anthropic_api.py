@@ -76,6 +76,16 @@ def is_messages_route(path: str) -> bool:
     return path.rstrip("/") == "/v1/messages" or path.startswith("/v1/messages/")
 
 
+def wants_anthropic_errors(path: str, headers: Any) -> bool:
+    """Whether a request's errors (its 401 too) take Anthropic's shape: every Messages API
+    route's, and those of `/v1/models` (and `/v1/models/{id}`) asked with the
+    `anthropic-version` header, which such a request is answered in Anthropic's shape by."""
+    if is_messages_route(path):
+        return True
+    models = path.rstrip("/") == "/v1/models" or path.startswith("/v1/models/")
+    return models and headers.get("anthropic-version") is not None
+
+
 @contextmanager
 def anthropic_errors() -> Iterator[None]:
     """Every error of the Messages API routes, in Anthropic's shape."""

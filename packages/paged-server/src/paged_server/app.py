@@ -30,9 +30,9 @@ from paged_server.anthropic_api import (
     anthropic_errors,
     anthropic_model,
     anthropic_model_list,
-    is_messages_route,
     serve_count_tokens,
     serve_messages,
+    wants_anthropic_errors,
 )
 from paged_server.classify import serve_classify
 from paged_server.dev_routes import ROUTES as DEV_ROUTES
@@ -246,7 +246,7 @@ class OpenAIApp:
     # ---- routing ---------------------------------------------------------------------------
     def dispatch(self, h: Handler, method: str, path: str) -> None:
         route = path.rstrip("/") or "/"
-        if is_messages_route(route):
+        if wants_anthropic_errors(route, h.headers):
             with anthropic_errors():  # Anthropic's error shape, 401s and 404s included
                 self._dispatch(h, method, path, route)
         else:

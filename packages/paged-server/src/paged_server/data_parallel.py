@@ -7,7 +7,9 @@ counted from when it is sent until its response ends), so long requests do not p
 replica. Responses pass through unchanged: an SSE stream byte for byte (`event:` lines, `data:
 [DONE]` where the route sends one), ended when the replica's stream ends (a replica that breaks
 off mid-stream: an in-band 502); a client that disconnects closes its replica connection, which
-aborts the request there.
+aborts the request there. A replica's whole answer must arrive within the front's timeout, a
+stream's each event within it of the one before (`ReplicaConnection`: every receive counts, so
+a replica dribbling bytes is cut too): else a 504.
 
 Stored Responses API responses live in the replica that answered them, and the front keeps no
 state of its own: `GET` / `DELETE /v1/responses/{id}` (and its `input_items` and `cancel`) ask
@@ -36,11 +38,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import http.client
+import io
 import json
 import logging
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -50,7 +54,7 @@ from typing import Any, NamedTuple
 from urllib.parse import parse_qs, urlsplit
 
 from paged_server import profiling
-from paged_server.anthropic_api import anthropic_errors, is_messages_route
+from paged_server.anthropic_api import anthropic_errors, wants_anthropic_errors
 from paged_server.dev_routes import ROUTES as DEV_ROUTES
 from paged_server.errors import APIError
 from paged_server.http import Handler
@@ -71,6 +75,93 @@ class _Unreached(Exception):
     """A replica's connection failed before any byte of the request was sent."""
 
 
+class _ReplicaSocket:
+    """A connected replica socket whose reads (through `makefile`, as http.client reads an
+    answer) each end by `deadline` (monotonic seconds): the socket timeout alone bounds one
+    receive, so a replica sending a byte a little faster than that would hold its reader
+    forever. Past the deadline a read raises TimeoutError. As a socket's, `close` waits for the
+    readers made from it to close (http.client closes the connection before reading the body
+    of an answer that ends it)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self.deadline = float("inf")
+        self._readers = 0
+        self._closing = False
+
+    def makefile(self, mode: str = "rb", *args: Any, **kwargs: Any) -> io.BufferedReader:
+        assert mode == "rb", mode
+        self._readers += 1
+        return io.BufferedReader(_DeadlineReader(self))
+
+    def recv_into(self, buf: Any) -> int:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the replica's answer is past its deadline")
+        self._sock.settimeout(left)
+        return self._sock.recv_into(buf)
+
+    def release(self) -> None:
+        self._readers -= 1
+        if self._closing and not self._readers:
+            self._sock.close()
+
+    def close(self) -> None:
+        self._closing = True
+        if not self._readers:
+            self._sock.close()
+
+    def close_now(self) -> None:
+        self._closing = True
+        self._sock.close()
+
+    def __getattr__(self, name: str) -> Any:  # sendall, setsockopt, ...: the socket's
+        return getattr(self._sock, name)
+
+
+class _DeadlineReader(io.RawIOBase):
+    """One reader of a `_ReplicaSocket`."""
+
+    def __init__(self, owner: _ReplicaSocket) -> None:
+        self.owner = owner
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf: Any) -> int:
+        return self.owner.recv_into(buf)
+
+    def close(self) -> None:
+        if not self.closed:
+            super().close()
+            self.owner.release()
+
+
+class ReplicaConnection(http.client.HTTPConnection):
+    """A connection to a replica whose answer must arrive by a deadline (`expect`), not only
+    with no gap past `timeout` between receives."""
+
+    reads: _ReplicaSocket | None = None
+
+    def connect(self) -> None:
+        super().connect()
+        # kept here too: http.client drops `sock` when an answer ends the connection, and
+        # that answer's reader reads on
+        self.sock = self.reads = _ReplicaSocket(self.sock)
+
+    def done(self) -> None:
+        """Close the connection and the socket itself, a reader of its answer left open or not
+        (a client gone mid-stream: the replica sees its connection end, and aborts)."""
+        self.close()
+        if self.reads is not None:
+            self.reads.close_now()
+
+    def expect(self, seconds: float) -> None:
+        """Every read from now on ends within `seconds` of now (once connected)."""
+        assert self.reads is not None, "connect first"
+        self.reads.deadline = time.monotonic() + seconds
+
+
 class Answer(NamedTuple):
     """One replica's whole answer, as the front passes it on."""
 
@@ -89,8 +180,8 @@ class Replica:
     tokens_in_flight: int = 0
     lines: list[str] = field(default_factory=list)
 
-    def connect(self, timeout: float) -> http.client.HTTPConnection:
-        return http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+    def connect(self, timeout: float) -> ReplicaConnection:
+        return ReplicaConnection(self.host, self.port, timeout=timeout)
 
 
 class ReplicaRouter:
@@ -107,7 +198,7 @@ class ReplicaRouter:
         pass  # each replica counts its own requests
 
     def dispatch(self, handler: Handler, method: str, path: str) -> None:
-        if is_messages_route(path):
+        if wants_anthropic_errors(path, handler.headers):
             with anthropic_errors():  # the front's own errors in the replicas' shape there
                 return self._dispatch(handler, method, path)
         return self._dispatch(handler, method, path)
@@ -182,31 +273,34 @@ class ReplicaRouter:
 
     def _forward(self, h: Handler, replica: Replica, method: str, body: bytes | None) -> None:
         """The request to `replica`, its answer to the client. A replica that cannot be
-        reached raises `_Unreached` (nothing was sent); one that answers garbage, breaks off or
-        stalls past `timeout` is a 502 (the client's own socket errors pass through)."""
+        reached raises `_Unreached` (nothing was sent); one that answers garbage or breaks off
+        is a 502, one whose answer is not whole within `timeout` of the request (a stream: its
+        headers, then each event within `timeout` of the one before) a 504, each logged as the
+        replica's failure (the client's own socket errors pass through)."""
         conn = replica.connect(self.timeout)
         try:
             try:
                 conn.connect()
             except OSError as e:
                 raise _Unreached(f"engine replica {replica.index} refused the request: {e}") from e
+            conn.expect(self.timeout)
             try:
                 conn.request(method, h.path, body=body, headers=_headers(h))
                 resp = conn.getresponse()
             except (OSError, http.client.HTTPException) as e:
-                raise APIError(502, f"engine replica {replica.index} did not answer: {e!r}") from e
+                raise _failed(replica.index, "did not answer", e, self.timeout) from e
             ctype = resp.getheader("Content-Type", "application/json")
             if resp.status == 200 and ctype.startswith("text/event-stream"):
                 h.start_stream()
-                return _relay(h, resp, replica.index)
+                return _relay(h, resp, conn, replica.index, self.timeout)
             extra = {k: v for k in _PASS_RESPONSE_HEADERS if (v := resp.getheader(k))}
             try:
                 data = resp.read()
             except (OSError, http.client.HTTPException) as e:
-                raise APIError(502, f"engine replica {replica.index} broke off: {e!r}") from e
+                raise _failed(replica.index, "broke off", e, self.timeout) from e
             h.send_bytes(resp.status, data, ctype, extra)
         finally:
-            conn.close()
+            conn.done()
 
     # ---- stored responses (the Responses API) ----------------------------------------------
     def _stored_response(self, h: Handler, method: str) -> None:
@@ -295,28 +389,34 @@ class ReplicaRouter:
         """One whole request to a replica; a 502 when it does not answer."""
         conn = replica.connect(self.timeout)
         try:
+            conn.connect()
+            conn.expect(self.timeout)
             conn.request(method, path, body=body, headers=headers)
             resp = conn.getresponse()
             extra = {k: v for k in _PASS_RESPONSE_HEADERS if (v := resp.getheader(k))}
             ctype = resp.getheader("Content-Type", "text/plain")
             return Answer(resp.status, ctype, resp.read(), extra)
         except (OSError, http.client.HTTPException) as e:
-            err = APIError(502, f"engine replica {replica.index} did not answer: {e}")
+            err = _failed(replica.index, "did not answer", e, self.timeout)
             return Answer(err.status, "application/json", err.body(), {})
         finally:
-            conn.close()
+            conn.done()
 
     # ---- aggregated routes -----------------------------------------------------------------
     def _ask(self, replica: Replica, path: str) -> tuple[int, bytes]:
-        conn = replica.connect(10.0)
+        """GET `path` of a replica (its /health, /metrics), whole within 10 s; (0, b"")
+        when it does not answer so."""
+        conn = replica.connect(_ASK_TIMEOUT)
         try:
+            conn.connect()
+            conn.expect(_ASK_TIMEOUT)
             conn.request("GET", path)
             resp = conn.getresponse()
             return resp.status, resp.read()
         except (OSError, http.client.HTTPException):
             return 0, b""
         finally:
-            conn.close()
+            conn.done()
 
     def _health(self, h: Handler) -> None:
         bad = [r.index for r in self.replicas if self._ask(r, "/health")[0] != 200]
@@ -351,19 +451,36 @@ def _headers(h: Handler) -> dict[str, str]:
     return {k: v for k, v in h.headers.items() if k.lower() not in _SKIP_HEADERS}
 
 
-def _relay(h: Handler, resp: http.client.HTTPResponse, index: int) -> None:
+def _failed(index: int, what: str, e: Exception, timeout: float) -> APIError:
+    """A replica's failure to answer as the client gets it: a 504 when it ran past the
+    front's deadline, else a 502; logged, so the replica's trouble shows where it is served."""
+    if isinstance(e, TimeoutError):
+        err = APIError(504, f"engine replica {index} timed out: no whole answer within {timeout} s")
+    else:
+        err = APIError(502, f"engine replica {index} {what}: {e!r}")
+    log.warning("%s", err.message)
+    return err
+
+
+def _relay(
+    h: Handler, resp: http.client.HTTPResponse, conn: ReplicaConnection, index: int, gap: float
+) -> None:
     """A replica's SSE stream to the client byte for byte, each piece as it arrives (a replica
     sends one event per chunk, and `read1` returns at most one chunk), ended when the replica's
-    stream ends. A replica that breaks off (its last chunk missing: `read1` raises where line
-    iteration would end quietly) is reported in-band, a 502."""
+    stream ends. Each event must be whole within `gap` seconds of the one before (no total
+    bound: a long stream is fine, a replica dribbling bytes is not). A replica that breaks off
+    (its last chunk missing: `read1` raises where line iteration would end quietly) is reported
+    in-band, a 502; one past the gap a 504."""
     while True:
         try:
             data = resp.read1(1 << 16)
         except (OSError, http.client.HTTPException) as e:
-            raise APIError(502, f"engine replica {index} broke off its stream: {e!r}") from e
+            raise _failed(index, "broke off its stream", e, gap) from e
         if not data:
             break
         h.send_chunk(data)  # OSError when the client left: closes the replica connection
+        if data.endswith(b"\n\n"):  # an event ended (and went out): the next one's gap starts
+            conn.expect(gap)
     h.end_stream(done=False)  # a [DONE] the replica sent went through above
 
 
@@ -396,6 +513,7 @@ def _estimate_tokens(body: Any, body_bytes: int) -> int:
     return prompt + gen * (n if isinstance(n, int) and n > 0 else 1)
 
 
+_ASK_TIMEOUT = 10.0  # seconds for a replica's whole /health or /metrics answer
 _IMAGE_TOKENS = 576  # LLaVA-1.5's 24 x 24 patches: the front does not know the model's count
 _VIDEO_TOKENS = 4096  # 32 frames in 16 temporal groups of 256 merged patches (Qwen2-VL)
 _AUDIO_TOKENS = 750  # a 30-second window of Whisper's encoder, pooled (Qwen2-Audio)

@@ -11,7 +11,9 @@ Invariants:
 - Framing is unambiguous before any route runs: what llhttp (uvicorn's parser) refuses -- both
   framings at once, two Content-Lengths, one that is not 1*DIGIT or past 64 bits, a
   Transfer-Encoding whose last coding is not chunked or that repeats it, a request, header,
-  chunk-size or trailer line not ended by CRLF alone -- is a 400 that closes.
+  chunk-size or trailer line not ended by CRLF alone -- is a 400 that closes. So is a request
+  line llhttp refuses (`_request_line_error`: an unknown or lower-case method, PRI, a version
+  but 0.9 / 1.0 / 1.1 / 2.0, a separator but spaces); a method it knows reaches the router.
   An HTTP/1.0 request in chunked encoding is served, then its connection closes (RFC 9112 6.1).
 - Routes see the percent-decoded path (uvicorn's scope["path"], which Starlette routes on:
   `%2F` is a "/" there too, and a leading "//" stays); the query stays as sent.
@@ -112,6 +114,29 @@ def _codings(te: list[str]) -> list[str]:
     installs it) reads "chunked\t" as another coding, so a request ending so is a 400 there and
     here. (h11, uvicorn's fallback, drops the tab as whitespace around the value.)"""
     return [c.lstrip(" \t").rstrip(" ").lower() for value in te for c in value.split(",")]
+
+
+def _request_line_error(line: bytes) -> str | None:
+    """Why llhttp would refuse a request line (a 400 that closes), else None. A line without a
+    version ("GET /x", HTTP/0.9's form) is left to the base class, as is "GET / HTTP/2.0": llhttp
+    takes it as an HTTP/1 message of version 2.0, the base class answers 505 (kept: no HTTP/2
+    is spoken over an HTTP/1 request line, and llhttp reads 2.0 without keep-alive while uvicorn
+    keeps the connection, whose next request its parser then drops unanswered)."""
+    match = _REQUEST_LINE.fullmatch(line)
+    if match is None:
+        if _HTTP09_LINE.fullmatch(line) or not line.endswith(b"\r\n"):
+            return None  # the base class's to judge, or the CRLF check's
+        return "malformed request line: METHOD SP target SP HTTP/x.y CRLF expected"
+    method, target, major, minor = match.groups()
+    if method == b"PRI":  # HTTP/2's connection preface (prior knowledge): llhttp stops there
+        return "HTTP/2 is not served here (no h2c): speak HTTP/1.1"
+    if method.decode() not in _METHODS:
+        return f"invalid method {method.decode()[:40]!r}"
+    if method != b"CONNECT" and not _TARGET.fullmatch(target):
+        return f"invalid request target {target.decode()[:60]!r}"
+    if (int(major), int(minor)) not in _VERSIONS:
+        return f"invalid HTTP version HTTP/{major.decode()}.{minor.decode()}"
+    return None
 
 
 def _target_path(target: str) -> tuple[str, str]:
@@ -373,6 +398,23 @@ class Server(ThreadingHTTPServer):
 
 
 _UNREAD = object()  # Handler._json before the body is read
+# The request methods llhttp (httptools, uvicorn's parser under vLLM) takes on an HTTP/x.x
+# request line, case-sensitive (its METHODS_HTTP1): any other word is a 400 there, and a
+# method a route lacks reaches Starlette's router (405, or 404 for an unknown path).
+_METHODS = frozenset({
+    "DELETE", "GET", "HEAD", "POST", "PUT", "CONNECT", "OPTIONS", "TRACE", "PATCH", "LINK",
+    "UNLINK", "COPY", "LOCK", "MKCOL", "MOVE", "PROPFIND", "PROPPATCH", "SEARCH", "UNLOCK", "BIND",
+    "REBIND", "UNBIND", "ACL", "REPORT", "MKACTIVITY", "CHECKOUT", "MERGE", "M-SEARCH", "NOTIFY",
+    "SUBSCRIBE", "UNSUBSCRIBE", "MKCALENDAR", "PURGE", "QUERY", "SOURCE",
+})  # fmt: skip
+# A request line as llhttp (strict, its default) reads it: a method, spaces (one or more), a
+# target of visible ASCII, spaces, HTTP/<digit>.<digit>, CRLF. A tab, a space before the method
+# or the CRLF, a byte past 0x7E or a control byte in the target, "http/1.1" or "HTTP/1.10" do not.
+_REQUEST_LINE = re.compile(rb"([!-~]+) +([!-~]+) +HTTP/([0-9])\.([0-9])\r\n")
+_HTTP09_LINE = re.compile(rb"[!-~]+ +[!-~]+\r\n")  # "GET /path": no version (the base class's)
+# origin-form ("/x", or "*") or absolute-form ("http://h/x"); CONNECT takes an authority
+_TARGET = re.compile(rb"[/*].*|[A-Za-z]+://.*", re.S)
+_VERSIONS = ((0, 9), (1, 0), (1, 1), (2, 0))  # llhttp's; any other is a 400 there
 _LINE_END = re.compile(rb"[^\r\n]*\r\n")  # a request or header line, CRLF-ended, no other CR
 
 
@@ -454,6 +496,12 @@ class Handler(BaseHTTPRequestHandler):
             self.requestline = self.request_version = self.command = ""
             self.send_error(414)
             return False
+        error = _request_line_error(self.raw_requestline)
+        if error is not None:  # answered before the base class reads (or 505s) anything
+            self.requestline = self.raw_requestline.decode("iso-8859-1").rstrip("\r\n")
+            self.request_version = self.command = ""
+            self.send_error(400, error)
+            return False
         lines = _CheckedLines(self.rfile)
         self.rfile = lines  # the base class reads the header lines through it
         try:
@@ -485,12 +533,23 @@ class Handler(BaseHTTPRequestHandler):
             self.close_connection = True
         elif "keep-alive" in options and self.request_version == "HTTP/1.0":
             self.close_connection = False
+        if self.command == "CONNECT":
+            # llhttp hands whatever follows a CONNECT's headers to another protocol (a tunnel),
+            # never parsing it as the next request: the route's answer (404, 405) ends it here
+            self.close_connection = True
         if self.request_version == "HTTP/1.0" and "Transfer-Encoding" in self.headers:
             # RFC 9112 6.1: framing an HTTP/1.0 peer may not have meant; the body is read as
             # chunked (llhttp and h11 do), and the connection ends with the answer (as uvicorn
             # ends every HTTP/1.0 one)
             self.close_connection = True
         return True
+
+    def __getattr__(self, name: str) -> Any:
+        """`do_<METHOD>` for llhttp's other methods (the base class answers a method without
+        one 501): they reach the router, which answers 405 or 404 as Starlette does."""
+        if name.startswith("do_") and name[3:] in _METHODS:
+            return lambda: self._handle(name[3:])
+        raise AttributeError(name)
 
     def do_GET(self) -> None:
         self._handle("GET")

@@ -3,7 +3,8 @@ answered at once with the response "queued" while a thread of its own runs it th
 stream path; clients poll `GET /v1/responses/{id}` for its status (queued -> in_progress ->
 completed / incomplete / failed / cancelled), cancel it (`POST .../cancel`), and, when it was
 created with `"stream": true`, read its events again from any point
-(`GET /v1/responses/{id}?stream=true&starting_after=N`). A client that leaves does not stop it.
+(`GET /v1/responses/{id}?stream=true&starting_after=N`; a cancelled one's events end with
+`response.cancelled`). A client that leaves does not stop it.
 
 Invariants: the stored body is a snapshot, replaced whole (never mutated) once published, so a
 GET never reads a body the run is writing; a cancelled run's status stays "cancelled" even if
@@ -95,8 +96,22 @@ class BackgroundRun:
             self.finished = True
 
     def end(self) -> None:
-        """No event follows: the followers' streams end."""
+        """No event follows: the followers' streams end, a cancelled run's after a last
+        `response.cancelled` event carrying the response (status "cancelled"), so a follower
+        tells a cancel from a stream cut short. (OpenAI's stream events name no cancel -- its
+        webhook event for one is `response.cancelled` --, and vLLM's followers of a cancelled
+        run wait on with no event at all: a terminal event of OpenAI's name, in the shape of
+        `response.completed` / `response.failed`.)"""
         with self.cond:
+            if self.events is not None and self.stored.body.get("status") == "cancelled":
+                event = {
+                    "type": "response.cancelled",
+                    "sequence_number": len(self.events),
+                    "response": self.stored.body,
+                }
+                data = b"event: response.cancelled\ndata: %s\n\n" % json.dumps(event).encode()
+                self.events.append(data)
+                self.event_bytes += len(data)
             self.ended = True
             self.cond.notify_all()
 

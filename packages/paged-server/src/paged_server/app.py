@@ -43,7 +43,6 @@ from paged_server.errors import APIError, bad_request
 from paged_server.http import Handler
 from paged_server.lora import LoRARegistry, serve_load_adapter, serve_unload_adapter
 from paged_server.media import MediaLoader, MediaRef, decode_tensor
-from paged_server.metrics import CONTENT_TYPE
 from paged_server.openai_protocol import (
     GenerationRequest,
     check_context,
@@ -184,6 +183,8 @@ class OpenAIApp:
         self.lora = lora or LoRARegistry(served_model_names, enabled=False)
         self.model_path = model_path
         self.max_model_len = max_model_len
+        if (metrics := getattr(client, "metrics", None)) is not None:  # token histograms' buckets
+            metrics.set_max_model_len(max_model_len)
         self.api_key = api_key
         self.chat_template = chat_template
         self.trust_request_chat_template = trust_request_chat_template
@@ -371,8 +372,9 @@ class OpenAIApp:
         h.send_json(200, {"version": __version__, "engine_version": self.engine_version})
 
     def metrics(self, h: Handler) -> None:
-        body = self.client.metrics.render(self.client.stats).encode()
-        h.send_bytes(200, body, CONTENT_TYPE)
+        accept = h.headers.get("Accept", "")
+        body, ctype = self.client.metrics.exposition(self.client.stats, accept)
+        h.send_bytes(200, body, ctype)
 
     def _card(self, name: str, lora: Any = None) -> dict[str, Any]:
         """A served name's card, or an adapter's: root its path, parent its base model."""

@@ -1,5 +1,7 @@
-"""Prometheus text exposition (format 0.0.4) with vLLM's metric names under the `paged:` prefix
-(`--metrics-prefix vllm`: under vLLM's own, for dashboards and autoscalers written for it).
+"""GET /metrics: vLLM's metric names under the `paged:` prefix (`--metrics-prefix vllm`: under
+vLLM's own, for dashboards, routers and autoscalers written for it), as Prometheus text 0.0.4,
+or OpenMetrics 1.0 for a scraper that asks (exposition.py: the formats). Histogram buckets are
+cumulative up to `+Inf` == _count.
 
 Histograms (paged_engine.engine.request_latency, shared with `LLM.get_metrics`) are observed on
 the output thread and rendered on HTTP threads, each from a consistent snapshot.
@@ -14,19 +16,29 @@ from collections import Counter
 from typing import Any
 
 from paged_engine.engine.request_latency import Histogram, RequestLatency
+from paged_server.exposition import (
+    CONTENT_TYPE,
+    OPENMETRICS_CONTENT_TYPE,
+    esc,
+    help_text,
+    num,
+    to_openmetrics,
+    wants_openmetrics,
+)
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# vLLM's finish reasons: each series exists (at 0) from the start, so rate() sees its first one
+FINISH_REASONS = ("abort", "error", "length", "stop")
 
 
-def render_histogram(h: Histogram, labels: str) -> list[str]:
-    """`h` as Prometheus text, named `paged:<name>`."""
+def render_histogram(h: Histogram, labels: str, name: str | None = None) -> list[str]:
+    """`h` as Prometheus text, named `paged:<name>` (`name`: another name for the same data)."""
     cumulative, total, count = h.snapshot()
-    name = "paged:" + h.name
-    lines = [f"# HELP {name} {h.help}", f"# TYPE {name} histogram"]
+    name = "paged:" + (name or h.name)
+    lines = [f"# HELP {name} {help_text(h.help)}", f"# TYPE {name} histogram"]
     for bound, c in zip(h.buckets, cumulative):
-        lines.append(f'{name}_bucket{{{labels},le="{bound}"}} {c}')
+        lines.append(f'{name}_bucket{{{labels},le="{num(float(bound))}"}} {c}')
     lines.append(f'{name}_bucket{{{labels},le="+Inf"}} {count}')
-    lines.append(f"{name}_sum{{{labels}}} {total}")
+    lines.append(f"{name}_sum{{{labels}}} {num(float(total))}")
     lines.append(f"{name}_count{{{labels}}} {count}")
     return lines
 
@@ -36,6 +48,13 @@ _ENGINE_METRICS = (
     ("paged:num_requests_running", "num_running", "gauge", "Requests in the running batch."),
     ("paged:num_requests_waiting", "num_waiting", "gauge", "Requests waiting to be scheduled."),
     ("paged:kv_cache_usage_perc", "kv_cache_usage", "gauge", "KV-cache usage; 1 means 100%."),
+    # vLLM's names before 0.10, still read by routers (production-stack) and dashboards
+    (
+        "paged:gpu_cache_usage_perc",
+        "kv_cache_usage",
+        "gauge",
+        "KV-cache usage; 1 means 100%. Deprecated: kv_cache_usage_perc.",
+    ),
     ("paged:kv_cache_total_blocks", "num_total_blocks", "gauge", "Blocks in the KV pool."),
     ("paged:kv_cache_used_blocks", "num_used_blocks", "gauge", "KV blocks in use."),
     ("paged:kv_cache_free_blocks", "num_free_blocks", "gauge", "KV blocks free."),
@@ -60,6 +79,18 @@ _ENGINE_METRICS = (
         "prefix_cache_hits",
         "counter",
         "Prefix-cache hits, in tokens.",
+    ),
+    (
+        "paged:gpu_prefix_cache_queries_total",
+        "prefix_cache_queries",
+        "counter",
+        "Prefix-cache queries, in tokens. Deprecated: prefix_cache_queries_total.",
+    ),
+    (
+        "paged:gpu_prefix_cache_hits_total",
+        "prefix_cache_hits",
+        "counter",
+        "Prefix-cache hits, in tokens. Deprecated: prefix_cache_hits_total.",
     ),
     (
         "paged:external_prefix_cache_queries_total",
@@ -134,39 +165,46 @@ _ENGINE_METRICS = (
 _PER_POS = "paged:spec_decode_num_accepted_tokens_per_pos_total"
 
 
-def _esc(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def _num(v: Any) -> str:
-    return repr(float(v)) if isinstance(v, float) else str(int(v))
-
-
 class Metrics:
-    def __init__(self, model_name: str, prefix: str = "paged"):
-        self.labels = f'model_name="{_esc(model_name)}"'
+    def __init__(self, model_name: str, prefix: str = "paged", max_model_len: int | None = None):
+        self.labels = f'model_name="{esc(model_name)}"'
         self.prefix = prefix  # each metric's name is `prefix:...` (check_prefix)
-        self.latency = RequestLatency()  # observed on the output thread
+        self.latency = RequestLatency(max_model_len)  # observed on the output thread
         lat = self.latency
-        self.ttft, self.itl, self.e2e, self.queue_time = lat.histograms
+        self.ttft, self.itl, self.e2e, self.queue_time = lat.ttft, lat.itl, lat.e2e, lat.queue_time
         self.finished = lat.finished
         self.requests_aborted = 0  # engine thread
         self.http: Counter[tuple[str, int]] = Counter()  # (route, status)
         self._http_lock = threading.Lock()
 
+    def set_max_model_len(self, max_model_len: int) -> None:
+        """The token-count histograms' buckets (vLLM's 1-2-5 up to max_model_len); once, before
+        the first request."""
+        if not self.latency.token_histograms:
+            self.latency.set_max_model_len(max_model_len)
+
     def count_http(self, route: str, status: int) -> None:
         with self._http_lock:
             self.http[(route, status)] += 1
 
+    def exposition(self, stats: Any, accept: str = "") -> tuple[bytes, str]:
+        """(body, Content-Type) for a scrape sending `accept`: OpenMetrics 1.0 when it names
+        application/openmetrics-text (Prometheus does by default; prometheus_client, so vLLM,
+        chooses it on that alone), Prometheus text 0.0.4 otherwise."""
+        text = self.render(stats)
+        if wants_openmetrics(accept):
+            return to_openmetrics(text).encode(), OPENMETRICS_CONTENT_TYPE
+        return text.encode(), CONTENT_TYPE
+
     def render(self, stats: Any) -> str:
         lab = self.labels
         lines: list[str] = []
-        for name, field, kind, help_text in _ENGINE_METRICS:
+        for name, field, kind, doc in _ENGINE_METRICS:
             value = getattr(stats, field, None)
             if value is None:
                 continue
-            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
-            lines.append(f"{name}{{{lab}}} {_num(value)}")
+            lines += [f"# HELP {name} {help_text(doc)}", f"# TYPE {name} {kind}"]
+            lines.append(f"{name}{{{lab}}} {num(value)}")
         per_pos = getattr(stats, "spec_decode_num_accepted_tokens_per_pos", None)
         if per_pos:  # vLLM's labelled counter: one sample per draft position
             lines += [
@@ -181,8 +219,8 @@ class Metrics:
                 "# HELP paged:lora_requests_info LoRA adapters of running and waiting requests.",
                 "# TYPE paged:lora_requests_info gauge",
                 f'paged:lora_requests_info{{{lab},max_lora="{stats.max_loras}",'
-                f'running_lora_adapters="{_esc(running)}",'
-                f'waiting_lora_adapters="{_esc(waiting)}"}} {_num(time.time())}',
+                f'running_lora_adapters="{esc(running)}",'
+                f'waiting_lora_adapters="{esc(waiting)}"}} {num(time.time())}',
             ]
         state = getattr(stats, "sleep_state", None)
         if state is not None:  # vLLM's: one sample per state, 1 for the current one
@@ -196,14 +234,26 @@ class Metrics:
                 f'paged:engine_sleep_state{{{lab},sleep_state="{s}"}} {int(s == state)}'
                 for s in ("awake", "weights_offloaded", "discard_all")
             ]
+        block_size = getattr(stats, "block_size", None)
+        if block_size is not None:  # vLLM's info gauge; routers read block_size, num_gpu_blocks
+            lines += [
+                "# HELP paged:cache_config_info KV-cache configuration (labels); the value is 1.",
+                "# TYPE paged:cache_config_info gauge",
+                f'paged:cache_config_info{{{lab},block_size="{block_size}",'
+                f'num_gpu_blocks="{stats.num_total_blocks}",'
+                f'num_cpu_blocks="{getattr(stats, "num_cpu_blocks", 0)}"}} 1',
+            ]
         for h in self.latency.histograms:
             lines += render_histogram(h, lab)
+        # vLLM's name for the inter-token histogram before 0.11, still in its Grafana dashboard
+        lines += render_histogram(self.itl, lab, "time_per_output_token_seconds")
         lines += [
             "# HELP paged:request_success_total Finished requests (one per prompt, whatever its n) "
             "by the finish reason of its first sequence.",
             "# TYPE paged:request_success_total counter",
         ]
-        for reason, n in sorted(dict(self.finished).items()):
+        finished = {reason: 0 for reason in FINISH_REASONS} | dict(self.finished)
+        for reason, n in sorted(finished.items()):
             lines.append(f'paged:request_success_total{{{lab},finished_reason="{reason}"}} {n}')
         lines += [
             "# HELP paged:request_aborted_total Requests aborted by client disconnects.",
@@ -217,9 +267,7 @@ class Metrics:
         with self._http_lock:
             http = sorted(self.http.items())
         for (route, status), n in http:
-            lines.append(
-                f'paged:http_requests_total{{route="{_esc(route)}",status="{status}"}} {n}'
-            )
+            lines.append(f'paged:http_requests_total{{route="{esc(route)}",status="{status}"}} {n}')
         if self.prefix != "paged":
             lines = [_renamed(line, self.prefix) for line in lines]
         return "\n".join(lines) + "\n"

@@ -47,6 +47,12 @@ def test_metrics_after_generate(tiny_llama_dir):
         values = list(h.buckets.values())
         assert values == sorted(values) and h.buckets["+Inf"] == h.count
         assert h.sum >= 0
+    # the per-request token histograms, bucketed 1-2-5 up to max_model_len as vLLM's
+    max_tokens = m["vllm:request_params_max_tokens"]
+    assert max_tokens.count == 4 and max_tokens.sum == sum(lengths) + 20
+    assert list(max_tokens.buckets)[:4] == ["1.0", "2.0", "5.0", "10.0"], max_tokens.buckets
+    assert m["vllm:request_generation_tokens"].sum == sum(lengths) + 1
+    assert m["vllm:request_prompt_tokens"].sum == 6 * 3 + 1
     drafted = m["vllm:spec_decode_num_draft_tokens"]
     assert isinstance(drafted, Counter) and drafted.value == stats.spec_decode_num_draft_tokens
     per_pos = m["vllm:spec_decode_num_accepted_tokens_per_pos"]

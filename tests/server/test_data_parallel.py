@@ -31,9 +31,9 @@ from paged_server.data_parallel import (
     Replica,
     ReplicaRouter,
     _estimate_tokens,
-    _label,
     replica_argv,
 )
+from paged_server.exposition import with_label
 from paged_server.http import Server
 
 openai = pytest.importorskip("openai")
@@ -93,8 +93,8 @@ def test_replica_argv_drops_the_routers_options():
 
 
 def test_metric_labels_and_cost_estimate():
-    assert _label('a{b="c"} 1', 'replica="0"') == 'a{b="c",replica="0"} 1'
-    assert _label("a 1", 'replica="1"') == 'a{replica="1"} 1'
+    assert with_label('a{b="c"} 1', "replica", "0") == 'a{b="c",replica="0"} 1'
+    assert with_label("a 1", "replica", "1") == 'a{replica="1"} 1'
     assert _estimate_tokens({"max_tokens": 10, "n": 2}, 400) == 100 + 20
     assert _estimate_tokens({"max_output_tokens": 10}, 40) == 10 + 10
     assert _estimate_tokens([1, 2], 10) == 1
@@ -171,6 +171,28 @@ def _stream(front: SimpleNamespace, **body) -> list[dict]:
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     assert events[0]["type"] == "response.created" and events[-1]["type"] == "response.completed"
     return events
+
+
+def test_the_fronts_metrics_parse_whole(front: SimpleNamespace) -> None:
+    """Both replicas' families under one HELP / TYPE each, every sample labelled with its replica,
+    in either format (the front appended replica after replica: a strict parser, as
+    prometheus_client, read the second replica's histogram samples as untyped families)."""
+    from test_metrics_peers import PROMETHEUS_ACCEPT, parse
+
+    _script(front, "ok")
+    body = {"model": "tiny", "prompt": "Hi", "max_tokens": 2}
+    for _ in range(2):
+        assert front.http.request("POST", "/v1/completions", body)[0] == 200
+    status, headers, text = front.http.request("GET", "/metrics")
+    assert status == 200 and headers["Content-Type"].startswith("text/plain; version=0.0.4")
+    ttft = parse(text)["paged:time_to_first_token_seconds"]
+    assert ttft.type == "histogram"
+    assert {labels["replica"] for _, labels, _ in ttft.samples} == {"0", "1"}
+    status, headers, om = front.http.request(
+        "GET", "/metrics", headers={"Accept": PROMETHEUS_ACCEPT}
+    )
+    assert headers["Content-Type"].startswith("application/openmetrics-text")
+    assert parse(om, openmetrics=True)["paged:prompt_tokens"].type == "counter"
 
 
 def test_a_streamed_response_passes_through_the_front_whole(front: SimpleNamespace) -> None:

@@ -69,7 +69,8 @@ class LLM:
         configure_default_logging()  # startup stages at INFO, unless logging is configured
         self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
         self._counter = itertools.count()
-        self._latency = RequestLatency()  # the requests this LLM's calls ran (get_metrics)
+        # the requests this LLM's calls ran (get_metrics); token counts bucketed to max_model_len
+        self._latency = RequestLatency(self.llm_engine.config.max_model_len)
         # vLLM's: what the model serves, e.g. ("generate",) or ("embed", "token_embed")
         self.supported_tasks: tuple[str, ...] = self.llm_engine.get_supported_tasks()
 
@@ -683,7 +684,7 @@ class LLM:
                     priority=0 if priority is None else priority[k],
                 )
                 ids.append(rid)
-                clocks[rid] = RequestClock(time.monotonic())
+                clocks[rid] = RequestClock(time.monotonic(), max_tokens=_max_tokens(params))
         except Exception:
             engine.abort_request(ids)  # a bad prompt rejects the whole call; nothing stays queued
             raise
@@ -747,6 +748,13 @@ def _with_keep(params: Any, keep: int) -> Any:
 
 # prompt keys that make a prompt more than text or token ids
 _NOT_TEXT_KEYS = ("multi_modal_data", "prompt_embeds", "encoder_prompt", "decoder_prompt")
+
+
+def _max_tokens(params: Any) -> int | None:
+    """A generation request's max_tokens for request_params_max_tokens (None: a pooling
+    request, or a beam search's params, which no histogram of vLLM's takes)."""
+    value = getattr(params, "max_tokens", None)
+    return value if isinstance(value, int) else None
 
 
 def _check_max_length(num_tokens: int, max_length: int | None) -> None:

@@ -57,6 +57,13 @@ from paged_server import profiling
 from paged_server.anthropic_api import anthropic_errors, wants_anthropic_errors
 from paged_server.dev_routes import ROUTES as DEV_ROUTES
 from paged_server.errors import APIError
+from paged_server.exposition import (
+    CONTENT_TYPE,
+    OPENMETRICS_CONTENT_TYPE,
+    merge_expositions,
+    to_openmetrics,
+    wants_openmetrics,
+)
 from paged_server.http import Handler
 
 log = logging.getLogger("paged_server")
@@ -425,20 +432,19 @@ class ReplicaRouter:
         h.send_json(200, {"status": "ok", "replicas": len(self.replicas)})
 
     def _metrics(self, h: Handler) -> None:
-        seen: set[str] = set()
-        out: list[str] = []
+        """Every answering replica's metrics as one exposition, each sample labelled with its
+        replica (families kept whole: a parser reads samples after another family's as a new
+        untyped family), in the format the scraper asks for."""
+        scrapes = []
         for r in self.replicas:
             status, text = self._ask(r, "/metrics")
-            if status != 200:
-                continue
-            for line in text.decode(errors="replace").splitlines():
-                if line.startswith("#"):
-                    if line not in seen:  # HELP / TYPE once per metric
-                        seen.add(line)
-                        out.append(line)
-                elif line:
-                    out.append(_label(line, f'replica="{r.index}"'))
-        h.send_bytes(200, ("\n".join(out) + "\n").encode(), "text/plain; version=0.0.4")
+            if status == 200:
+                scrapes.append((str(r.index), text.decode(errors="replace")))
+        body = merge_expositions(scrapes)
+        if wants_openmetrics(h.headers.get("Accept", "")):
+            h.send_bytes(200, to_openmetrics(body).encode(), OPENMETRICS_CONTENT_TYPE)
+        else:
+            h.send_bytes(200, body.encode(), CONTENT_TYPE)
 
 
 def _streamed(path: str) -> bool:
@@ -482,14 +488,6 @@ def _relay(
         if data.endswith(b"\n\n"):  # an event ended (and went out): the next one's gap starts
             conn.expect(gap)
     h.end_stream(done=False)  # a [DONE] the replica sent went through above
-
-
-def _label(sample: str, label: str) -> str:
-    """Add `label` to one Prometheus sample line."""
-    name, _, rest = sample.partition(" ")
-    if name.endswith("}"):
-        return f"{name[:-1]},{label}}} {rest}"
-    return f"{name}{{{label}}} {rest}"
 
 
 def _estimate_tokens(body: Any, body_bytes: int) -> int:

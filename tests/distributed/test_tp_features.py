@@ -90,7 +90,7 @@ def _feature_requests() -> list[tuple[dict, SamplingParams]]:
                 max_tokens=8, temperature=0.9, top_k=20, top_p=0.9, min_p=0.02, seed=11, logprobs=3
             ),
         ),
-        (prompt(6), SamplingParams(max_tokens=4, logprobs=2, logprob_token_ids=[3, 254, 508], **g)),
+        (prompt(6), SamplingParams(max_tokens=4, logprobs=3, logprob_token_ids=[3, 254, 508], **g)),
         (prompt(6), SamplingParams(n=2, max_tokens=3, temperature=1.0, seed=5, logprobs=-1)),
         (
             prompt(8),

@@ -73,6 +73,9 @@ def _as_output_kind(value: object) -> RequestOutputKind:
 # thread that steps the engine: a request with a million of them would slow every other request
 # by seconds a token. (vLLM sets no bound; OpenAI's API and TGI's default take 4 stop strings.)
 MAX_STOP_STRINGS = 1024
+# vLLM's MAX_LOGPROB_TOKEN_IDS: the most logprob_token_ids one request may ask for (its own
+# bound: max_logprobs bounds the top-k counts, not these ids)
+MAX_LOGPROB_TOKEN_IDS = 128
 
 
 def _check_early_stopping(value: object) -> None:
@@ -246,8 +249,9 @@ class SamplingParams:
     thinking_token_budget: int | None = None
     # vLLM's: keep the prompt's last k tokens (-1: as many as a prompt may hold)
     truncate_prompt_tokens: int | None = None
-    # vLLM's: the logprobs of these token ids at each generated position, in place of the
-    # top-`logprobs` (the sampled token's too); turns logprobs on. None or []: top-k as usual.
+    # vLLM's: the logprobs of these token ids (at most MAX_LOGPROB_TOKEN_IDS) at each generated
+    # position, in place of a top-k (the sampled token's too); turns logprobs on, and logprobs
+    # must then be None or their count. None or []: top-k as usual.
     logprob_token_ids: list[int] | None = None
     # vLLM's: logprobs and prompt_logprobs come as `FlatLogprobs` (paged_engine.logprobs): the
     # same positions as the lists of dicts, in flat columns (a few objects, whatever the length)
@@ -390,19 +394,31 @@ class SamplingParams:
                 )
 
     def _explicit_logprobs(self) -> None:
-        """logprob_token_ids: distinct non-negative ids (vocabulary: the engine checks), or
-        None; they turn logprobs on (0: no top-k of its own)."""
+        """logprob_token_ids: at most MAX_LOGPROB_TOKEN_IDS non-negative ids (vocabulary: the
+        engine checks), or None. As in vLLM, logprobs is None or the ids' count as given; after
+        this the ids are distinct and logprobs is their count, which turns logprobs on (and
+        passes this check again in a `dataclasses.replace`)."""
         ids = self.logprob_token_ids
         if ids is None:
             return
         if not isinstance(ids, (list, tuple)):
             raise ValueError(f"logprob_token_ids must be a list of token ids, got {ids!r:.200}.")
-        if not ids:
+        if len(ids) > MAX_LOGPROB_TOKEN_IDS:
+            raise ValueError(
+                f"logprob_token_ids holds at most {MAX_LOGPROB_TOKEN_IDS} token ids, got "
+                f"{len(ids)}."
+            )
+        tokens = [_token_id("logprob_token_ids", t) for t in ids]
+        if self.logprobs is not None and self.logprobs != len(tokens):
+            raise ValueError(
+                f"logprob_token_ids holds {len(tokens)} ids: logprobs must then be None or "
+                f"{len(tokens)} (their count), got logprobs={self.logprobs}."
+            )
+        if not tokens:  # (vLLM: no ids; logprobs None or 0 stays)
             self.logprob_token_ids = None
             return
-        self.logprob_token_ids = list(dict.fromkeys(_token_id("logprob_token_ids", t) for t in ids))
-        if self.logprobs is None:
-            self.logprobs = 0
+        self.logprob_token_ids = list(dict.fromkeys(tokens))
+        self.logprobs = len(self.logprob_token_ids)
 
     def _verify(self) -> None:
         def bad(name: str, rule: str) -> ValueError:

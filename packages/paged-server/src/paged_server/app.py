@@ -713,15 +713,13 @@ class OpenAIApp:
         the vocabulary, which only --max-logprobs -1 allows)."""
         cap = self.max_logprobs
         explicit = req.sampling.get("logprob_token_ids")
-        if explicit is not None:
-            self._check_ids(explicit, "logprob_token_ids")
-            if cap != -1 and len(explicit) > cap:
-                raise bad_request(
-                    f"'logprob_token_ids' asks for {len(explicit)} logprobs, over this server's "
-                    f"--max-logprobs {cap}",
-                    "logprob_token_ids",
-                )
         fields = (("top_logprobs" if chat else "logprobs", req.logprobs),)
+        if explicit is not None:
+            # As in vLLM, --max-logprobs does not bound the ids (SamplingParams does, with
+            # MAX_LOGPROB_TOKEN_IDS), and the logprobs count is not sent beside them: it only
+            # counts as an echoed prompt's prompt_logprobs
+            self._check_ids(explicit, "logprob_token_ids")
+            fields = fields if req.echo and not chat else ()
         for name, k in (*fields, ("prompt_logprobs", req.prompt_logprobs)):
             if k is None or cap == -1 or (k != -1 and k <= cap):
                 continue
@@ -978,7 +976,8 @@ class OpenAIApp:
             # which is dropped (its prompt logprobs survive a request that ends at prefill).
             kwargs.update(max_tokens=1, min_tokens=0)
         if req.logprobs is not None:
-            kwargs["logprobs"] = req.logprobs
+            if "logprob_token_ids" not in req.sampling:  # (vLLM: the ids set the count)
+                kwargs["logprobs"] = req.logprobs
             if req.echo and not chat:  # an echoed prompt's tokens lead the logprobs
                 kwargs["prompt_logprobs"] = req.logprobs
         if req.prompt_logprobs is not None:

@@ -425,7 +425,10 @@ class InputProcessor:
         if isinstance(params, SamplingParams):
             cap = self.config.max_logprobs
             cap = self.vocab_size if cap == -1 else cap
-            for name in ("logprobs", "prompt_logprobs"):
+            # max_logprobs bounds the top-k counts; logprob_token_ids (whose count logprobs
+            # then holds) have their own bound, MAX_LOGPROB_TOKEN_IDS, checked with the params
+            counts = ("logprobs", "prompt_logprobs")[1 if params.logprob_token_ids else 0 :]
+            for name in counts:
                 k = getattr(params, name)
                 k = self.vocab_size if k == -1 else k
                 if k is not None and k > cap:
@@ -433,12 +436,6 @@ class InputProcessor:
                         f"{name}={getattr(params, name)} asks for {k} logprobs, over "
                         f"max_logprobs={self.config.max_logprobs} (-1 allows the vocabulary)"
                     )
-            explicit = params.logprob_token_ids or ()
-            if len(explicit) > cap:
-                raise ValueError(
-                    f"logprob_token_ids asks for {len(explicit)} logprobs, over max_logprobs="
-                    f"{self.config.max_logprobs} (-1 allows the vocabulary)"
-                )
             for name in ("logit_bias", "allowed_token_ids", "logprob_token_ids"):
                 bad = [t for t in getattr(params, name) or () if t >= self.vocab_size]
                 if bad:

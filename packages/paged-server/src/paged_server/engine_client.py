@@ -68,7 +68,7 @@ from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Any
 
-from paged_engine.engine.request_ids import internal_request_id
+from paged_engine.engine.request_ids import internal_ids, internal_request_id, pop_each
 from paged_engine.engine.request_latency import RequestClock
 from paged_engine.sampling_params import RequestOutputKind, SamplingParams
 from paged_engine.structured_output.grammar import GrammarBusyError
@@ -98,6 +98,7 @@ class _Stream:
 
     group: RequestGroup
     index: int  # in the group
+    request_id: str  # the caller's (external) id: group.request_ids[index]
     # its latency bookkeeping (output thread only); arrival: when the HTTP thread handed it
     # over (monotonic: the engine's clock too)
     clock: RequestClock
@@ -472,7 +473,8 @@ class EngineClient:
             group.add_error = group.add_error or APIError(500, f"internal error adding {rid}: {e}")
         else:
             with self._lock:
-                self._streams[rid] = _Stream(group, cmd.index, RequestClock(cmd.arrival))
+                external = group.request_ids[cmd.index]
+                self._streams[rid] = _Stream(group, cmd.index, external, RequestClock(cmd.arrival))
         group._num_added += 1
         if group._num_added == len(group.request_ids):
             group._added.set()
@@ -521,15 +523,10 @@ class EngineClient:
     def _do_abort(self, request_ids: list[str], group: RequestGroup | None = None) -> None:
         """`request_ids` are external: each names every engine request of it (in `group`)."""
         ids = set(request_ids)
+        mine = None if group is None else (lambda s: s.group is group)
         with self._lock:
             streams = self._streams
-            live = [
-                r
-                for r, s in streams.items()
-                if group in (None, s.group) and s.group.request_ids[s.index] in ids
-            ]
-            for r in live:
-                del streams[r]
+            live = [rid for rid, _ in pop_each(streams, internal_ids(streams, ids, mine))]
         if live:
             self._abort_in_engine(live)
             self.metrics.requests_aborted += len(live)
@@ -611,14 +608,12 @@ class EngineClient:
     def _fail(self, request_ids: list[str] | None, err: APIError) -> list[str]:
         """Fail these requests (None: every one in flight) with `err`; returns those that were
         still in flight. The caller frees them in the engine (on the engine thread)."""
-        failed = []
         with self._lock:
-            for rid in list(self._streams) if request_ids is None else request_ids:
-                stream = self._streams.pop(rid, None)
-                if stream is not None:
-                    stream.group.queue.put((stream.index, err))
-                    failed.append(rid)
-        return failed
+            streams = self._streams
+            failed = pop_each(streams, list(streams) if request_ids is None else request_ids)
+            for _, stream in failed:
+                stream.group.queue.put((stream.index, err))
+        return [rid for rid, _ in failed]
 
 
 def _guess_param(message: str, fields: set[str]) -> str | None:

@@ -51,7 +51,7 @@ from paged_engine.config import EngineConfig
 from paged_engine.config_views import ModelConfig
 from paged_engine.core.scheduler import SchedulerStuckError
 from paged_engine.core.step_isolation import RequestFailedError
-from paged_engine.engine.request_ids import internal_request_id
+from paged_engine.engine.request_ids import internal_ids, internal_request_id, pop_each
 from paged_engine.executor.base import EngineDeadError
 from paged_engine.lora.request import LoRARequest
 from paged_engine.outputs import RequestOutput
@@ -456,15 +456,11 @@ class AsyncLLM:
 
     def _abort(self, ids: list[str], internal: bool) -> None:
         """Abort the requests of these caller's ids, or (`internal`) of these engine ids."""
-        if internal:
-            live = [i for i in ids if i in self._streams]
-        else:
-            wanted = set(ids)
-            live = [i for i, s in self._streams.items() if s.request_id in wanted]
+        streams = self._streams
+        live = pop_each(streams, ids if internal else internal_ids(streams, ids))
         if live:
-            self.engine.abort_request(live)
-        for rid in live:  # the engine says nothing more of them: their generators end here
-            stream = self._streams.pop(rid)
+            self.engine.abort_request([rid for rid, _ in live])
+        for _, stream in live:  # the engine says nothing more of them: their generators end here
             stream.put(_aborted(stream.request_id))
 
     def _dispatch(self, outputs: list[Any]) -> None:
@@ -483,18 +479,14 @@ class AsyncLLM:
         logger.warning("%s: failing %s", e, ", ".join(e.request_ids))
         self.engine.abort_request(e.request_ids)
         num_blocks = self.engine.block_manager.pool.num_blocks - 1  # (less the null block)
-        for rid in e.request_ids:
-            stream = self._streams.pop(rid, None)
-            if stream is not None:
-                error = ValueError(f"max_tokens: {e.culprit_message(num_blocks)}")
-                error.__cause__ = e
-                stream.put(error)
+        for _, stream in pop_each(self._streams, e.request_ids):
+            error = ValueError(f"max_tokens: {e.culprit_message(num_blocks)}")
+            error.__cause__ = e
+            stream.put(error)
 
     def _fail_culprits(self, e: RequestFailedError) -> None:
-        for rid in e.request_ids:
-            stream = self._streams.pop(rid, None)
-            if stream is not None:
-                stream.put(e.cause)
+        for _, stream in pop_each(self._streams, e.request_ids):
+            stream.put(e.cause)
 
     def _settled(self, pause: Callable[[], None]) -> None:
         """Run a pause or sleep; requests a "wait" pause saw fail alone fail their streams (the

@@ -126,3 +126,37 @@ def test_async_llm_abort_naming_an_internal_id_twice_aborts_it_once(async_engine
     finished = [s[-1] for s in seen.values() if s[-1].finished]
     assert len(finished) == 1 and finished[0].request_id == "twin"
     assert len(finished[0].outputs[0].token_ids) == 30
+
+
+def test_duplicates_of_while_another_thread_finishes_requests() -> None:
+    """LLMEngine.abort_request scans the output stage's states on the engine thread while
+    paged-server's output thread removes finished ones: the scan must never see the dict change
+    size (the old generator over states.values() raised RuntimeError at times, and the abort was
+    lost: the requests ran on, holding their KV blocks)."""
+    import threading
+    from types import SimpleNamespace
+
+    from paged_engine.engine.output_processor import OutputProcessor
+
+    states = {f"r{i}": SimpleNamespace(request_id=f"r{i}", external_req_id="x") for i in range(64)}
+    proc = SimpleNamespace(states=states)
+    stop = threading.Event()
+
+    def churn() -> None:  # the output thread: requests finish, new ones arrive
+        i = 64
+        while not stop.is_set():
+            states.pop(next(iter(states)), None)
+            states[f"r{i}"] = SimpleNamespace(request_id=f"r{i}", external_req_id="x")
+            i += 1
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    thread = threading.Thread(target=churn, daemon=True)
+    thread.start()
+    try:
+        for _ in range(5000):
+            assert len(OutputProcessor.duplicates_of(proc, ["x"])) in (63, 64)  # mid-churn
+    finally:
+        stop.set()
+        thread.join()
+        sys.setswitchinterval(old)

@@ -213,7 +213,9 @@ class OutputProcessor:
     def duplicates_of(self, request_ids: list[str]) -> list[str]:
         """The internal ids of the requests in flight added under one of these ids."""
         wanted = set(request_ids)
-        return [s.request_id for s in self.states.values() if s.external_req_id in wanted]
+        # list(): one copy under the GIL; paged-server's output thread removes finished states
+        # while the engine thread aborts ("dictionary changed size during iteration")
+        return [s.request_id for s in list(self.states.values()) if s.external_req_id in wanted]
 
     def abort(self, request_ids: list[str]) -> None:
         for rid in request_ids:

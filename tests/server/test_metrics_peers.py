@@ -248,6 +248,9 @@ def test_every_state_parses_strictly() -> None:
             assert server.request("POST", "/v1/completions", body)[0] == 200
         states.append(_scrape(server)[1])
         ctype, om = _scrape(server, PROMETHEUS_ACCEPT)
+    # each request's max_tokens, from the server's engine client (40 + 4 + 4)
+    max_tokens = parse(states[-1])["vllm:request_params_max_tokens"]
+    assert (one(max_tokens, "_count"), one(max_tokens, "_sum")) == (3, 48)
     for text in states:
         families = parse(text)
         assert all(f.type != "untyped" and f.help for f in families.values())

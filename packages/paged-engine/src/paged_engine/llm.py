@@ -20,7 +20,7 @@ from paged_engine.classification import ClassificationRequestOutput
 from paged_engine.config import EngineConfig
 from paged_engine.config_views import ModelConfig
 from paged_engine.engine.llm_engine import LLMEngine
-from paged_engine.engine.request_latency import RequestClock, RequestLatency
+from paged_engine.engine.request_latency import RequestClock, RequestLatency, request_clock
 from paged_engine.engine.stats import EngineStats
 from paged_engine.logging_setup import configure_default_logging
 from paged_engine.lora.request import LoRARequest
@@ -684,7 +684,7 @@ class LLM:
                     priority=0 if priority is None else priority[k],
                 )
                 ids.append(rid)
-                clocks[rid] = RequestClock(time.monotonic(), max_tokens=_max_tokens(params))
+                clocks[rid] = request_clock(time.monotonic(), params)
         except Exception:
             engine.abort_request(ids)  # a bad prompt rejects the whole call; nothing stays queued
             raise
@@ -748,13 +748,6 @@ def _with_keep(params: Any, keep: int) -> Any:
 
 # prompt keys that make a prompt more than text or token ids
 _NOT_TEXT_KEYS = ("multi_modal_data", "prompt_embeds", "encoder_prompt", "decoder_prompt")
-
-
-def _max_tokens(params: Any) -> int | None:
-    """A generation request's max_tokens for request_params_max_tokens (None: a pooling
-    request, or a beam search's params, which no histogram of vLLM's takes)."""
-    value = getattr(params, "max_tokens", None)
-    return value if isinstance(value, int) else None
 
 
 def _check_max_length(num_tokens: int, max_length: int | None) -> None:

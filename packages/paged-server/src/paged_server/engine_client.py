@@ -69,7 +69,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from paged_engine.engine.request_ids import internal_ids, internal_request_id, pop_each
-from paged_engine.engine.request_latency import RequestClock
+from paged_engine.engine.request_latency import RequestClock, request_clock
 from paged_engine.sampling_params import RequestOutputKind, SamplingParams
 from paged_engine.structured_output.grammar import GrammarBusyError
 from paged_server.errors import APIError, bad_request
@@ -474,7 +474,8 @@ class EngineClient:
         else:
             with self._lock:
                 external = group.request_ids[cmd.index]
-                self._streams[rid] = _Stream(group, cmd.index, external, RequestClock(cmd.arrival))
+                clock = request_clock(cmd.arrival, cmd.params)
+                self._streams[rid] = _Stream(group, cmd.index, external, clock)
         group._num_added += 1
         if group._num_added == len(group.request_ids):
             group._added.set()

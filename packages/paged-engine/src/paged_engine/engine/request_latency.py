@@ -86,6 +86,13 @@ class RequestClock:
     seq_tokens: dict[int, int] = field(default_factory=dict)
 
 
+def request_clock(arrival: float, params: Any) -> RequestClock:
+    """A request's clock from its arrival; `params`' max_tokens when it has one (a pooling
+    request has none: request_params_max_tokens is not observed)."""
+    value = getattr(params, "max_tokens", None)
+    return RequestClock(arrival, max_tokens=value if isinstance(value, int) else None)
+
+
 class RequestLatency:
     def __init__(self, max_model_len: int | None = None) -> None:
         self.ttft = Histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)

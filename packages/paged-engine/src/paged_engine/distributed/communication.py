@@ -12,8 +12,9 @@ send_object / recv_object   plain data from one rank to another (the last stage'
 Gloo's point-to-point sends (and a broadcast's root) wait until the peer posts the matching
 receive. Pipeline stages must not wait for one another that way (the first stage runs step N+1
 while the last runs step N: micro-batching), so the `*_async` variants return at once and keep
-their buffers here until the peer took them (`wait_sends` waits for all). Both sides of every
-message go through this module, in the same order per pair of ranks: a length, then the bytes.
+their buffers here until the peer took them (`release_sends` drops those a later step proved
+taken, `wait_sends` waits for all). Both sides of every message go through this module, in the
+same order per pair of ranks: a length, then the bytes.
 """
 
 from __future__ import annotations
@@ -159,20 +160,43 @@ def recv_object(src: int) -> Any:
     return pickle.loads(data.numpy().tobytes())
 
 
-# Async sends not yet known to be received, oldest first: (work, the buffer it reads).
-_sends: deque[tuple[dist.Work, torch.Tensor]] = deque()
+# Async sends not yet known to be received, oldest first: (number, work, the buffer it reads).
+# A gloo send's work reports completion only from wait() (an async broadcast's completes on its
+# own), and a wait with a timeout that expires closes the pair: a send leaves this queue when
+# the caller, who knows from the protocol that its peer took it, releases it (`release_sends`).
+_sends: deque[tuple[int, dist.Work, torch.Tensor]] = deque()
+_num_kept = 0  # async sends so far: the number of the next one
 
 
 def _keep(work: dist.Work, buf: torch.Tensor) -> None:
-    while _sends and _sends[0][0].is_completed():
+    global _num_kept
+    while _sends and _sends[0][1].is_completed():
         _sends.popleft()
-    _sends.append((work, buf))
+    _sends.append((_num_kept, work, buf))
+    _num_kept += 1
+
+
+def sends_mark() -> int:
+    """The number the next async send gets: `release_sends(mark)` drops those before it."""
+    return _num_kept
+
+
+def release_sends(mark: int) -> None:
+    """Drop the async sends numbered below `mark`, each of which its peer has received (the
+    caller's invariant): their waits return at once; one still in flight would block here."""
+    while _sends and _sends[0][0] < mark:
+        _sends.popleft()[1].wait()
+
+
+def pending_sends() -> int:
+    """How many async sends this process still holds (their buffers included)."""
+    return len(_sends)
 
 
 def wait_sends() -> None:
     """Wait until every async send of this process was received (before leaving the world)."""
     while _sends:
-        _sends.popleft()[0].wait()
+        _sends.popleft()[1].wait()
 
 
 def _packed(obj: Any) -> tuple[torch.Tensor, torch.Tensor]:

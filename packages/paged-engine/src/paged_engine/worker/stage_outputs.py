@@ -19,6 +19,10 @@ step's output: its drafts come after them.
 Invariants: receives happen in submission order (the last stage sends in that order, one pair
 of ranks, one FIFO); a step's sequences are written by sequence id at receive time, so a row
 freed or reused meanwhile (an abort, a preemption) is skipped, never overwritten.
+
+`StageSends` (every stage): the async sends of those messages stay queued until a wait (gloo's
+send work completes only there); it frees the ones a later step proves received, so each rank
+holds a few steps' worth however long the engine runs.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from paged_engine.distributed.communication import recv_object
+from paged_engine.distributed.communication import recv_object, release_sends, sends_mark
 from paged_engine.worker.runner_output import ModelRunnerOutput
 
 if TYPE_CHECKING:
@@ -147,6 +151,29 @@ class StageOutputs:
             index = torch.tensor(rows, dtype=torch.long).to(self.device)
             values = torch.tensor(ids, dtype=torch.int64).to(self.device)
             self.batch.last_token.index_copy_(0, index, values)
+
+
+class StageSends:
+    """Drops this rank's async pipeline sends (its step broadcasts, hidden states, the last
+    stage's outputs and drafts) once a later step proves their peers took them.
+
+    When a step N that ran sequences ends on a rank, every rank's sends up to the end of the
+    step N - pp_size were received: the first stage's `before_step(N)` took the last stage's
+    output of that step (it leaves at most pp_size - 1 steps owed), sent after the last stage
+    had every broadcast and hidden state of it, and each later stage ran N on hidden states
+    the first stage sent after that. One more step is kept as a margin: the sends of at most
+    pp_size + 1 steps stay held, whatever the run's length.
+    """
+
+    def __init__(self, pp_size: int) -> None:
+        self.marks: deque[int] = deque(maxlen=pp_size + 2)  # sends_mark() after recent steps
+
+    def step_done(self) -> None:
+        """After each step that ran sequences, on every rank (each sees the same steps)."""
+        marks = self.marks
+        marks.append(sends_mark())
+        if len(marks) == marks.maxlen:
+            release_sends(marks[0])
 
 
 def drain_stage_outputs(worker) -> None:

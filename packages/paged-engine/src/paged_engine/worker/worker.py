@@ -53,6 +53,7 @@ from paged_engine.worker.model_runner import ModelRunner
 from paged_engine.worker.profiler import DIR_ENV, WorkerProfiler
 from paged_engine.worker.runner_output import AsyncRunnerOutput
 from paged_engine.worker.sleep import SleepingMemory, copy_weights, module_tensors
+from paged_engine.worker.stage_outputs import StageSends
 
 logger = logging.getLogger(__name__)
 
@@ -184,6 +185,9 @@ class Worker:
         # start_profile / stop_profile: on when the environment names a trace directory.
         self.profiler = WorkerProfiler.from_env(get_parallel_state().rank, self.device)
         self.memory = SleepingMemory(self.device)  # sleep mode's freed storages
+        # pipeline stages: the async sends a later step proved received are dropped
+        pp = config.pipeline_parallel_size
+        self.stage_sends = StageSends(pp) if pp > 1 else None
 
     def _load_model(self) -> torch.nn.Module:
         """The checkpoint's model on this rank's device, dtype and quantization."""
@@ -295,7 +299,10 @@ class Worker:
         self.model_runner.init_kv_cache(num_blocks, num_state_snapshots)
 
     def execute_model(self, sched: SchedulerOutput) -> AsyncRunnerOutput:
-        return self.model_runner.execute_model(sched)
+        out = self.model_runner.execute_model(sched)
+        if self.stage_sends is not None and sched.seq_ids:  # a step the stages ran
+            self.stage_sends.step_done()
+        return out
 
     def collective_rpc(
         self, method: str | Callable[..., Any], args: tuple = (), kwargs: dict | None = None

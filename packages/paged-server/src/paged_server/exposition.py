@@ -26,14 +26,23 @@ def help_text(text: str) -> str:
 
 
 def num(v: Any) -> str:
-    """A sample value (or `le`) as Prometheus writes it: ints bare, floats as repr, +Inf / NaN."""
+    """A sample value (or `le`) as Prometheus' clients write it: ints bare, floats in Go's
+    shortest form (prometheus_client's floatToGoString, so vLLM's): repr's digits, with an
+    exponent from 1e6 on (le="1e+06": Prometheus 2 keeps `le` as sent, so another spelling of
+    a bound is another series), +Inf / -Inf / NaN."""
     if not isinstance(v, float):
         return str(int(v))
     if math.isnan(v):
         return "NaN"
     if math.isinf(v):
         return "+Inf" if v > 0 else "-Inf"
-    return repr(v)
+    text = repr(v)
+    sign, digits = ("-", text[1:]) if v < 0 else ("", text)
+    dot = digits.find(".")
+    if dot > 6:  # repr writes 1e6 <= |v| < 1e16 as digits ("1234567.0"), Go as d.ddde+XX
+        mantissa = f"{digits[0]}.{digits[1:dot]}{digits[dot + 1 :]}".rstrip("0").rstrip(".")
+        return f"{sign}{mantissa}e+{dot - 1:02d}"
+    return text
 
 
 def wants_openmetrics(accept: str) -> bool:
@@ -48,7 +57,7 @@ def wants_openmetrics(accept: str) -> bool:
 def to_openmetrics(text: str) -> str:
     """Our text exposition as OpenMetrics 1.0: a counter family is named without its `_total`
     (its samples keep it), and `# EOF` ends the exposition. Label and HELP escapes are the same."""
-    lines = text.splitlines()
+    lines = [line for line in text.splitlines() if line]  # OpenMetrics has no blank line
     counters = {
         line.split(" ")[2]
         for line in lines
@@ -61,7 +70,7 @@ def to_openmetrics(text: str) -> str:
             if name in counters and name.endswith("_total"):
                 line = line[:7] + name[: -len("_total")] + line[7 + len(name) :]
         out.append(line)
-    return "\n".join(out) + "\n# EOF\n"
+    return "".join(line + "\n" for line in out) + "# EOF\n"
 
 
 def merge_expositions(scrapes: list[tuple[str, str]], label: str = "replica") -> str:
@@ -90,7 +99,7 @@ def merge_expositions(scrapes: list[tuple[str, str]], label: str = "replica") ->
     out = []
     for family, lines in heads.items():
         out += lines + samples[family]
-    return "\n".join(out) + "\n"
+    return "".join(line + "\n" for line in out)  # no scrape: "" (a blank line is no exposition)
 
 
 def with_label(sample: str, name: str, value: str) -> str:

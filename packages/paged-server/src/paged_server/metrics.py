@@ -26,8 +26,9 @@ from paged_server.exposition import (
     wants_openmetrics,
 )
 
-# vLLM's finish reasons: each series exists (at 0) from the start, so rate() sees its first one
-FINISH_REASONS = ("abort", "error", "length", "stop")
+# vLLM's finish reasons (its FinishReason, "repetition" of repetition_detection included): each
+# series exists (at 0) from the start, so rate() sees its first one
+FINISH_REASONS = ("abort", "error", "length", "repetition", "stop")
 
 
 def render_histogram(h: Histogram, labels: str, name: str | None = None) -> list[str]:

@@ -35,6 +35,9 @@ def test_metrics_after_generate(tiny_llama_dir):
     assert m["vllm:kv_cache_usage_perc"].value == stats.kv_cache_usage
     assert m[("vllm:request_success", "length")].value == 3
     assert m[("vllm:request_success", "stop")].value == 1
+    # every finish reason is a series from the start, as vLLM's registry has them
+    assert m[("vllm:request_success", "repetition")].value == 0
+    assert m[("vllm:request_success", "abort")].value == 0
     assert all(x.labels["engine"] == "0" and x.labels["model_name"] for x in m.values())
     ttft, itl, e2e = (
         m[f"vllm:{n}"]
@@ -74,3 +77,17 @@ def test_a_request_added_to_the_engine_directly(tiny_llama_dir):
     assert len(out.outputs[0].token_ids) == 3
     e2e = _by_name(llm.get_metrics())["vllm:e2e_request_latency_seconds"]
     assert e2e.count == 1
+
+
+def test_bucket_keys_are_vllms_le_labels(tiny_llama_dir):
+    """The reader's bucket keys are the `le` labels vLLM's registry gives ("1e+06" for a million,
+    as prometheus_client writes it; str() gave "1000000.0")."""
+    from paged_engine.engine.request_latency import RequestLatency
+    from paged_engine.metrics_reader import snapshot
+
+    llm = LLM(str(tiny_llama_dir), max_model_len=64)
+    metrics = snapshot(llm.get_stats(), RequestLatency(2_000_000), "m")
+    prompt = next(x for x in metrics if x.name == "vllm:request_prompt_tokens")
+    assert list(prompt.buckets)[-3:] == ["1e+06", "2e+06", "+Inf"]
+    ttft = next(x for x in metrics if x.name == "vllm:time_to_first_token_seconds")
+    assert list(ttft.buckets)[:2] == ["0.001", "0.005"]

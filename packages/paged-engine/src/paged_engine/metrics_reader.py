@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from paged_engine.engine.request_latency import RequestLatency
+from paged_engine.engine.request_latency import FINISH_REASONS, RequestLatency, go_float
 
 
 @dataclass
@@ -79,11 +79,12 @@ def snapshot(stats: Any, latency: RequestLatency, model_name: str) -> list[Metri
         out.append(
             Vector("vllm:spec_decode_num_accepted_tokens_per_pos", dict(labels), list(per_pos))
         )
-    for reason, n in sorted(latency.finished.items()):
+    finished = {reason: 0 for reason in FINISH_REASONS} | dict(latency.finished)
+    for reason, n in sorted(finished.items()):
         out.append(Counter("vllm:request_success", {**labels, "finished_reason": reason}, int(n)))
     for h in latency.histograms:
         cumulative, total, count = h.snapshot()
-        bounds = [str(b) for b in h.buckets] + ["+Inf"]
+        bounds = [go_float(float(b)) for b in h.buckets] + ["+Inf"]  # vLLM's `le` labels
         out.append(
             Histogram("vllm:" + h.name, dict(labels), count, total, dict(zip(bounds, cumulative)))
         )

@@ -6,9 +6,10 @@ one HELP and TYPE per family with all its samples after them, label values escap
 
 from __future__ import annotations
 
-import math
 import re
 from typing import Any
+
+from paged_engine.engine.request_latency import go_float
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 OPENMETRICS_CONTENT_TYPE = "application/openmetrics-text; version=1.0.0; charset=utf-8"
@@ -26,23 +27,9 @@ def help_text(text: str) -> str:
 
 
 def num(v: Any) -> str:
-    """A sample value (or `le`) as Prometheus' clients write it: ints bare, floats in Go's
-    shortest form (prometheus_client's floatToGoString, so vLLM's): repr's digits, with an
-    exponent from 1e6 on (le="1e+06": Prometheus 2 keeps `le` as sent, so another spelling of
-    a bound is another series), +Inf / -Inf / NaN."""
-    if not isinstance(v, float):
-        return str(int(v))
-    if math.isnan(v):
-        return "NaN"
-    if math.isinf(v):
-        return "+Inf" if v > 0 else "-Inf"
-    text = repr(v)
-    sign, digits = ("-", text[1:]) if v < 0 else ("", text)
-    dot = digits.find(".")
-    if dot > 6:  # repr writes 1e6 <= |v| < 1e16 as digits ("1234567.0"), Go as d.ddde+XX
-        mantissa = f"{digits[0]}.{digits[1:dot]}{digits[dot + 1 :]}".rstrip("0").rstrip(".")
-        return f"{sign}{mantissa}e+{dot - 1:02d}"
-    return text
+    """A sample value (or `le`) as Prometheus' clients write it: ints bare, floats as
+    `go_float` (prometheus_client's, so vLLM's)."""
+    return go_float(v) if isinstance(v, float) else str(int(v))
 
 
 def wants_openmetrics(accept: str) -> bool:

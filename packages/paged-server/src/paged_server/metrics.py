@@ -15,7 +15,7 @@ import time
 from collections import Counter
 from typing import Any
 
-from paged_engine.engine.request_latency import Histogram, RequestLatency
+from paged_engine.engine.request_latency import FINISH_REASONS, Histogram, RequestLatency
 from paged_server.exposition import (
     CONTENT_TYPE,
     OPENMETRICS_CONTENT_TYPE,
@@ -25,10 +25,6 @@ from paged_server.exposition import (
     to_openmetrics,
     wants_openmetrics,
 )
-
-# vLLM's finish reasons (its FinishReason, "repetition" of repetition_detection included): each
-# series exists (at 0) from the start, so rate() sees its first one
-FINISH_REASONS = ("abort", "error", "length", "repetition", "stop")
 
 
 def render_histogram(h: Histogram, labels: str, name: str | None = None) -> list[str]:

@@ -14,6 +14,7 @@ keeps a snapshot consistent (bucket counts never exceed the count).
 from __future__ import annotations
 
 import bisect
+import math
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
@@ -32,6 +33,28 @@ E2E_BUCKETS = (
     240.0, 480.0, 960.0, 1920.0, 7680.0,
 )  # fmt: skip
 N_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0)
+
+
+# vLLM's finish reasons: each request_success series exists (at 0) from the start, so rate()
+# sees its first increase
+FINISH_REASONS = ("abort", "error", "length", "repetition", "stop")
+
+
+def go_float(v: float) -> str:
+    """A float as prometheus_client writes values and `le` bounds (Go's shortest form, so
+    vLLM's): repr's digits, with an exponent from 1e6 on ("1e+06": Prometheus 2 keeps `le` as
+    sent, so another spelling of a bound is another series), +Inf / -Inf / NaN."""
+    if math.isnan(v):
+        return "NaN"
+    if math.isinf(v):
+        return "+Inf" if v > 0 else "-Inf"
+    text = repr(v)
+    sign, digits = ("-", text[1:]) if v < 0 else ("", text)
+    dot = digits.find(".")
+    if dot > 6:  # repr writes 1e6 <= |v| < 1e16 as digits ("1234567.0"), Go as d.ddde+XX
+        mantissa = f"{digits[0]}.{digits[1:dot]}{digits[dot + 1 :]}".rstrip("0").rstrip(".")
+        return f"{sign}{mantissa}e+{dot - 1:02d}"
+    return text
 
 
 def build_1_2_5_buckets(max_value: int) -> tuple[float, ...]:

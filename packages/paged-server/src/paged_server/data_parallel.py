@@ -7,9 +7,11 @@ counted from when it is sent until its response ends), so long requests do not p
 replica. Responses pass through unchanged: an SSE stream byte for byte (`event:` lines, `data:
 [DONE]` where the route sends one), ended when the replica's stream ends (a replica that breaks
 off mid-stream: an in-band 502); a client that disconnects closes its replica connection, which
-aborts the request there. A replica's whole answer must arrive within the front's timeout, a
-stream's each event within it of the one before (`ReplicaConnection`: every receive counts, so
-a replica dribbling bytes is cut too): else a 504.
+aborts the request there (asked every `_WATCH_INTERVAL` while the front waits on the replica, as
+a single server asks while it waits on its engine: not only at the next write). A replica's
+whole answer must arrive within the front's timeout, a stream's each event within it of the one
+before (`ReplicaConnection`: every receive counts, so a replica dribbling bytes is cut too):
+else a 504.
 
 Stored Responses API responses live in the replica that answered them, and the front keeps no
 state of its own: `GET` / `DELETE /v1/responses/{id}` (and its `input_items` and `cancel`) ask
@@ -49,6 +51,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 from urllib.parse import parse_qs, urlsplit
@@ -82,17 +85,23 @@ class _Unreached(Exception):
     """A replica's connection failed before any byte of the request was sent."""
 
 
+class _ClientGone(ConnectionResetError):
+    """The client left while the front waited on its replica's answer."""
+
+
 class _ReplicaSocket:
     """A connected replica socket whose reads (through `makefile`, as http.client reads an
     answer) each end by `deadline` (monotonic seconds): the socket timeout alone bounds one
     receive, so a replica sending a byte a little faster than that would hold its reader
-    forever. Past the deadline a read raises TimeoutError. As a socket's, `close` waits for the
-    readers made from it to close (http.client closes the connection before reading the body
-    of an answer that ends it)."""
+    forever. Past the deadline a read raises TimeoutError; with `client_gone` set, a read waiting
+    on the replica raises `_ClientGone` once that returns True (asked every `_WATCH_INTERVAL`).
+    As a socket's, `close` waits for the readers made from it to close (http.client closes the
+    connection before reading the body of an answer that ends it)."""
 
     def __init__(self, sock: socket.socket) -> None:
         self._sock = sock
         self.deadline = float("inf")
+        self.client_gone: Callable[[], bool] | None = None
         self._readers = 0
         self._closing = False
 
@@ -102,11 +111,19 @@ class _ReplicaSocket:
         return io.BufferedReader(_DeadlineReader(self))
 
     def recv_into(self, buf: Any) -> int:
-        left = self.deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("the replica's answer is past its deadline")
-        self._sock.settimeout(left)
-        return self._sock.recv_into(buf)
+        while True:
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the replica's answer is past its deadline")
+            if self.client_gone is None:
+                self._sock.settimeout(left)
+                return self._sock.recv_into(buf)
+            self._sock.settimeout(min(left, _WATCH_INTERVAL))
+            try:
+                return self._sock.recv_into(buf)
+            except TimeoutError:  # nothing received (a timed-out recv consumes nothing)
+                if self.client_gone():
+                    raise _ClientGone("client disconnected") from None
 
     def release(self) -> None:
         self._readers -= 1
@@ -167,6 +184,11 @@ class ReplicaConnection(http.client.HTTPConnection):
         """Every read from now on ends within `seconds` of now (once connected)."""
         assert self.reads is not None, "connect first"
         self.reads.deadline = time.monotonic() + seconds
+
+    def watch(self, client_gone: Callable[[], bool]) -> None:
+        """Reads waiting on the replica end (`_ClientGone`) once `client_gone()` is True."""
+        assert self.reads is not None, "connect first"
+        self.reads.client_gone = client_gone
 
 
 class Answer(NamedTuple):
@@ -291,9 +313,12 @@ class ReplicaRouter:
             except OSError as e:
                 raise _Unreached(f"engine replica {replica.index} refused the request: {e}") from e
             conn.expect(self.timeout)
+            conn.watch(h.client_gone)  # a client gone: `done` below aborts it on the replica
             try:
                 conn.request(method, h.path, body=body, headers=_headers(h))
                 resp = conn.getresponse()
+            except _ClientGone:
+                raise
             except (OSError, http.client.HTTPException) as e:
                 raise _failed(replica.index, "did not answer", e, self.timeout) from e
             ctype = resp.getheader("Content-Type", "application/json")
@@ -303,6 +328,8 @@ class ReplicaRouter:
             extra = {k: v for k in _PASS_RESPONSE_HEADERS if (v := resp.getheader(k))}
             try:
                 data = resp.read()
+            except _ClientGone:
+                raise
             except (OSError, http.client.HTTPException) as e:
                 raise _failed(replica.index, "broke off", e, self.timeout) from e
             h.send_bytes(resp.status, data, ctype, extra)
@@ -471,22 +498,31 @@ def _failed(index: int, what: str, e: Exception, timeout: float) -> APIError:
 def _relay(
     h: Handler, resp: http.client.HTTPResponse, conn: ReplicaConnection, index: int, gap: float
 ) -> None:
-    """A replica's SSE stream to the client byte for byte, each piece as it arrives (a replica
-    sends one event per chunk, and `read1` returns at most one chunk), ended when the replica's
-    stream ends. Each event must be whole within `gap` seconds of the one before (no total
-    bound: a long stream is fine, a replica dribbling bytes is not). A replica that breaks off
-    (its last chunk missing: `read1` raises where line iteration would end quietly) is reported
-    in-band, a 502; one past the gap a 504."""
+    """A replica's SSE stream to the client byte for byte, each event as soon as it is whole (a
+    replica sends one event per chunk, and `read1` returns at most one chunk), ended when the
+    replica's stream ends. Each event must be whole within `gap` seconds of the one before (no
+    total bound: a long stream is fine, a replica dribbling bytes is not). A replica that breaks
+    off (its last chunk missing: `read1` raises where line iteration would end quietly) is
+    reported in-band, a 502; one past the gap a 504. The bytes of an event not yet whole are
+    held back, so such an error event never runs into a cut one."""
+    pending = b""
     while True:
         try:
             data = resp.read1(1 << 16)
+        except _ClientGone:
+            raise
         except (OSError, http.client.HTTPException) as e:
             raise _failed(index, "broke off its stream", e, gap) from e
         if not data:
             break
-        h.send_chunk(data)  # OSError when the client left: closes the replica connection
-        if data.endswith(b"\n\n"):  # an event ended (and went out): the next one's gap starts
+        pending += data
+        end = pending.rfind(b"\n\n") + 2
+        if end >= 2:  # whole events: out, and the next one's gap starts
+            h.send_chunk(pending[:end])  # OSError when the client left: closes the replica's
+            pending = pending[end:]
             conn.expect(gap)
+    if pending:  # a stream that ended mid-event ends so here too
+        h.send_chunk(pending)
     h.end_stream(done=False)  # a [DONE] the replica sent went through above
 
 
@@ -512,6 +548,7 @@ def _estimate_tokens(body: Any, body_bytes: int) -> int:
 
 
 _ASK_TIMEOUT = 10.0  # seconds for a replica's whole /health or /metrics answer
+_WATCH_INTERVAL = 0.25  # seconds between checks that a waiting client is still there (app.py's)
 _IMAGE_TOKENS = 576  # LLaVA-1.5's 24 x 24 patches: the front does not know the model's count
 _VIDEO_TOKENS = 4096  # 32 frames in 16 temporal groups of 256 merged patches (Qwen2-VL)
 _AUDIO_TOKENS = 750  # a 30-second window of Whisper's encoder, pooled (Qwen2-Audio)

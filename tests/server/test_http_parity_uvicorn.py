@@ -121,6 +121,14 @@ def test_runs_of_spaces_and_http_2_0(fake: ServerProc) -> None:
     assert [s for s, _, _ in _answers(out)] == [505], out
 
 
+def test_an_http_0_9_version_gets_a_status_line(fake: ServerProc) -> None:
+    """ "GET /health HTTP/0.9": llhttp takes the version and uvicorn answers with a status line
+    and headers (the base class answered HTTP/0.9's way: the body alone), then closes."""
+    out = exchange(fake, b"GET /health HTTP/0.9\r\nHost: t\r\n\r\n")
+    ((status, headers, _),) = _answers(out)
+    assert status == 200 and headers["Connection"] == "close", out
+
+
 # ---- 2. the data-parallel front's deadline -------------------------------------------------
 class _Replica(socketserver.ThreadingTCPServer):
     """A loopback 'replica' that reads a request's head and then runs `behave(sock)`."""

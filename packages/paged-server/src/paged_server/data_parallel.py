@@ -43,6 +43,7 @@ import http.client
 import io
 import json
 import logging
+import math
 import os
 import re
 import signal
@@ -116,7 +117,7 @@ class _ReplicaSocket:
             if left <= 0:
                 raise TimeoutError("the replica's answer is past its deadline")
             if self.client_gone is None:
-                self._sock.settimeout(left)
+                self._sock.settimeout(None if left == math.inf else left)  # no deadline set
                 return self._sock.recv_into(buf)
             self._sock.settimeout(min(left, _WATCH_INTERVAL))
             try:

@@ -502,6 +502,10 @@ class Handler(BaseHTTPRequestHandler):
             self.request_version = self.command = ""
             self.send_error(400, error)
             return False
+        if self.raw_requestline.endswith(b" HTTP/0.9\r\n"):
+            # llhttp takes the version and uvicorn answers with a status line and headers, as
+            # to HTTP/1.0 (the base class would answer HTTP/0.9's way: a bare body)
+            self.raw_requestline = self.raw_requestline[:-10] + b" HTTP/1.0\r\n"
         lines = _CheckedLines(self.rfile)
         self.rfile = lines  # the base class reads the header lines through it
         try:

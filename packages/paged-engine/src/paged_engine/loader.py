@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import json
 import logging
+import math
 import mmap
 import re
 import struct
@@ -26,6 +28,7 @@ import torch
 from torch import nn
 
 from paged_engine.bnb_checkpoint import bnb_scheme, unpack_bnb_weights
+from paged_engine.checkpoint_checks import check_config, check_config_size
 from paged_engine.config_ignored import with_effective_fields
 from paged_engine.layers.linear import deferred_weights
 from paged_engine.layers.rotary import rope_context_len
@@ -126,20 +129,37 @@ def load_hf_config(
 ):
     """The transformers PretrainedConfig (built from GGUF metadata for .gguf models, from
     params.json for Mistral's native format: `config_format`, mistral_format.py)."""
-    if resolved.is_gguf:
-        from paged_engine.gguf import gguf_to_hf_config
+    config, source = _load_hf_config(resolved, trust_remote_code, config_format)
+    check_config(config, source)  # sizes and head counts, then sizes against the files
+    check_config_size(config, resolved, source)
+    return config
 
-        return with_kv_head_count(gguf_to_hf_config(_open_gguf(resolved.gguf_file)))
-    from paged_engine.mistral_format import config_format_of, mistral_hf_config
 
-    if config_format_of(resolved.path, config_format) == "mistral":
-        return with_kv_head_count(mistral_hf_config(resolved.path))
-    from transformers import AutoConfig
-
+def _load_hf_config(
+    resolved: ResolvedModel, trust_remote_code: bool, config_format: str
+) -> tuple[Any, Path]:
+    """(config, the file it came from)."""
     try:  # huggingface_hub's strict dataclasses, which transformers 5's config classes use
         from huggingface_hub.errors import StrictDataclassError
     except ImportError:  # an older hub: no such validators, nothing to catch
         StrictDataclassError = ()  # type: ignore[assignment,misc]
+
+    if resolved.is_gguf:
+        from paged_engine.gguf import gguf_to_hf_config
+
+        try:
+            config = gguf_to_hf_config(_open_gguf(resolved.gguf_file))
+        except StrictDataclassError as e:  # a value the config class's validators reject
+            raise ValueError(f"{resolved.gguf_file}: {e}") from e
+        return with_kv_head_count(config), resolved.gguf_file
+    from paged_engine.mistral_format import config_format_of, mistral_hf_config
+
+    if config_format_of(resolved.path, config_format) == "mistral":
+        return with_kv_head_count(mistral_hf_config(resolved.path)), resolved.path / "params.json"
+    from transformers import AutoConfig
+
+    source = resolved.path / "config.json"
+    _check_json_object(source)
 
     from paged_engine.models.ultravox_config import register as register_ultravox
     from paged_engine.models.ultravox_linked import remember_hub
@@ -159,10 +179,24 @@ def load_hf_config(
             or AutoConfig.from_pretrained(resolved.path, trust_remote_code=trust_remote_code)
         )
     except StrictDataclassError as e:  # a field the config class's validators reject
-        raise ValueError(f"config.json: {e}") from e
+        raise ValueError(f"{source}: {e}") from e
+    except (KeyError, ZeroDivisionError) as e:  # transformers' own checks (a rope key, heads 0)
+        raise ValueError(f"{source}: {type(e).__name__}: {e}") from e
     sidecar_quant_config(config, resolved.path)  # early GPTQ / AWQ releases' quantize_config.json
     # A vision-language wrapper: its text model's config, served text-only (multimodal_text.py)
-    return with_kv_head_count(text_only_config(config))
+    return with_kv_head_count(text_only_config(config)), source
+
+
+def _check_json_object(file: Path) -> None:
+    """ValueError naming `file` where it exists but is not a UTF-8 JSON object."""
+    if not file.is_file():
+        return
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{file} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{file} is not a JSON object")
 
 
 def apply_hf_overrides(config, overrides: dict | None):
@@ -229,6 +263,9 @@ def _tokenizer_config(path: Path, trust_remote_code: bool) -> dict[str, Any]:
     return {"config": PretrainedConfig(**{k: v for k, v in raw.items() if "rope" not in k})}
 
 
+_TOKENIZER_JSON = ("tokenizer_config.json", "special_tokens_map.json")
+
+
 def load_tokenizer(resolved: ResolvedModel, trust_remote_code: bool = False):
     """A transformers tokenizer (built from GGUF metadata for .gguf models, from tekken.json for
     Mistral repos and tokenizer.tok.json for Grok-2 repos without HF tokenizer files)."""
@@ -249,8 +286,16 @@ def load_tokenizer(resolved: ResolvedModel, trust_remote_code: bool = False):
     from paged_engine.models.ultravox_linked import tokenizer_dir
 
     path = tokenizer_dir(resolved)  # (Ultravox without one: its text_model_id's)
+    for name in _TOKENIZER_JSON:  # a broken file named, before transformers' bare error
+        _check_json_object(path / name)
     extra = _tokenizer_config(path, trust_remote_code)
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, **extra)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            path, trust_remote_code=trust_remote_code, **extra
+        )
+    except (ValueError, TypeError):  # tokenizer.json (large: parsed here only on failure)
+        _check_json_object(path / "tokenizer.json")
+        raise
     if getattr(tokenizer, "chat_template", None) is None:  # a VLM's may be its processor's only
         tokenizer.chat_template = processor_chat_template(resolved.path)
     return tokenizer
@@ -564,8 +609,10 @@ def _weight_files(path: Path, load_format: str) -> list[Path]:
     }[load_format]
     index = path / index_name
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        files = [path / s for s in shards]
+        files = [path / s for s in _index_shards(index)]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index} names shards missing from {path}: {missing}")
     else:
         # consolidated*: Mistral's native copy of the same weights (load_format="mistral")
         skip = ("training_args", "consolidated")
@@ -578,6 +625,23 @@ def _weight_files(path: Path, load_format: str) -> list[Path]:
         also = " or fairseq2's model.pt" if load_format == "pt" else ""
         raise FileNotFoundError(f"no {pattern}{also} weight files in {path}")
     return files
+
+
+def _index_shards(index: Path) -> list[str]:
+    """The shard files an index's weight_map names: plain relative paths inside the model
+    directory (an absolute path or a `..` would read files outside it)."""
+    try:
+        weight_map = json.loads(index.read_text()).get("weight_map")
+    except (UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
+        raise ValueError(f"{index}: not a JSON object ({e})") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ValueError(f"{index}: weight_map is not an object of shard file names")
+    shards = sorted(set(weight_map.values()))
+    for shard in shards:
+        parts = Path(shard).parts
+        if not parts or Path(shard).is_absolute() or ".." in parts or "\\" in shard:
+            raise ValueError(f"{index}: shard {shard!r} is not a file inside the model directory")
+    return shards
 
 
 def _iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -601,12 +665,69 @@ _ST_DTYPES = {
 }
 
 
+_MAX_ST_HEADER = 100_000_000  # the safetensors library's own limit, bytes
+
+
 def safetensors_header(f: BinaryIO) -> tuple[dict[str, Any], int]:
     """(JSON header, offset of the tensor data) of a .safetensors file opened at its start: an
     8-byte little-endian header length, then the header mapping names to dtype / shape /
-    [begin, end) byte offsets counted from the data."""
+    [begin, end) byte offsets counted from the data. A malformed header (a length past the
+    file, not a JSON object, an entry whose offsets leave the data or overlap another's) is a
+    ValueError naming the file."""
+    name = getattr(f, "name", "<safetensors>")
+    start = f.tell()
+    size = f.seek(0, 2) - start
+    f.seek(start)
+    if size < 8:
+        raise ValueError(f"{name}: not a safetensors file ({size} bytes, under its 8-byte header)")
     (header_len,) = struct.unpack("<Q", f.read(8))
-    return json.loads(f.read(header_len)), 8 + header_len
+    if header_len > min(size - 8, _MAX_ST_HEADER):
+        raise ValueError(
+            f"{name}: safetensors header length {header_len} exceeds the file's {size} bytes "
+            f"(or the {_MAX_ST_HEADER}-byte limit)"
+        )
+    try:
+        header = json.loads(f.read(header_len).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{name}: safetensors header is not UTF-8 JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{name}: safetensors header is not a JSON object")
+    _check_st_entries(name, header, size - 8 - header_len)
+    return header, 8 + header_len
+
+
+def _is_uint(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _check_st_entries(name: str, header: dict[str, Any], data_len: int) -> None:
+    """Each tensor entry: a dtype string, a shape of non-negative ints, [begin, end) within
+    the `data_len` data bytes; no two entries' bytes overlap."""
+    spans = []
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        if not isinstance(info, dict) or not isinstance(info.get("dtype"), str):
+            raise ValueError(f"{name}: safetensors entry {key!r} lacks a dtype string")
+        shape, offsets = info.get("shape"), info.get("data_offsets")
+        if not isinstance(shape, list) or not all(_is_uint(d) for d in shape):
+            raise ValueError(f"{name}: tensor {key!r} has an invalid shape {shape!r}")
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(_is_uint(o) for o in offsets)
+            or not offsets[0] <= offsets[1] <= data_len
+        ):
+            raise ValueError(
+                f"{name}: tensor {key!r} data_offsets {offsets!r} lie outside the file's "
+                f"{data_len} data bytes"
+            )
+        if offsets[0] < offsets[1]:
+            spans.append((offsets[0], offsets[1], key))
+    spans.sort()
+    for (_, end, prev), (begin, _, key) in itertools.pairwise(spans):
+        if begin < end:
+            raise ValueError(f"{name}: tensors {prev!r} and {key!r} overlap in the file")
 
 
 def mmap_safetensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -630,6 +751,12 @@ def mmap_safetensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
             raise ValueError(f"{file}: tensor {name!r} has unsupported dtype {info['dtype']}")
         begin, end = info["data_offsets"]
         shape = tuple(info["shape"])
+        if end - begin != math.prod(shape) * dtype.itemsize:
+            raise ValueError(
+                f"{file}: tensor {name!r} of shape {list(shape)} and dtype {info['dtype']} "
+                f"needs {math.prod(shape) * dtype.itemsize} bytes; its data_offsets hold "
+                f"{end - begin}"
+            )
         if end == begin:
             yield name, torch.empty(shape, dtype=dtype)
             continue

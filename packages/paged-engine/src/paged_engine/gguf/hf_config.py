@@ -36,7 +36,9 @@ class _Meta:
 
     def get_float(self, key: str, default: Any = _MISSING) -> Any:
         value = self.get(key, default)
-        return None if value is None else float(value)
+        if value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)):
+            return None if value is None else float(value)
+        raise ValueError(f"GGUF metadata {self.arch}.{key}: expected a number, got {value!r}")
 
 
 def gguf_to_hf_config(f: GGUFFile):
@@ -51,6 +53,10 @@ def gguf_to_hf_config(f: GGUFFile):
         return _OWN_CONFIGS[spec.family](meta, f, spec)
     hidden = meta.get_int("embedding_length")
     heads = meta.get_int("attention.head_count")
+    if heads <= 0:  # (state-space families, whose head_count is 0, returned above)
+        raise ValueError(
+            f"{f.path}: GGUF metadata {arch}.attention.head_count={heads} is not positive"
+        )
     layers = main_layers(f, arch)
     head_dim = meta.get_int("attention.key_length", hidden // heads)
     # (DeepSeek's MLA: the MQA form's lengths differ by design; _deepseek2 reads the real ones)

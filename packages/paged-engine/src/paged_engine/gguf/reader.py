@@ -8,6 +8,7 @@ u64 dims[n_dims] innermost first, u32 ggml type, u64 offset); padding to `genera
 
 from __future__ import annotations
 
+import itertools
 import mmap
 import struct
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ _SCALAR_TYPES: dict[int, struct.Struct] = {
                  10: "Q", 11: "q", 12: "d"}.items()
 }  # fmt: skip
 _STRING, _ARRAY = 8, 9
+_MAX_DIMS = 4  # GGML_MAX_DIMS
 
 
 @dataclass(slots=True)
@@ -41,9 +43,11 @@ class GGUFFile:
     """A parsed GGUF file. `metadata` holds plain Python values (lists for arrays)."""
 
     def __init__(self, path: str | Path) -> None:
-        from paged_engine.gguf.dequant import tensor_nbytes
+        from paged_engine.gguf.dequant import GGML_TYPES, tensor_nbytes
 
         self.path = Path(path)
+        if self.path.stat().st_size < 4:
+            raise ValueError(f"{self.path} is not a GGUF file (shorter than its magic)")
         with open(self.path, "rb") as fh:
             self._mmap = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
         self._data = np.frombuffer(self._mmap, dtype=np.uint8)  # zero-copy, read-only
@@ -56,24 +60,48 @@ class GGUFFile:
             raise ValueError(f"{self.path}: unsupported GGUF version {self.version}")
         tensor_count, kv_count = self._scalar(10), self._scalar(10)
         self.metadata: dict[str, Any] = {}
-        for _ in range(kv_count):
+        for _ in range(kv_count):  # a count past the file's end stops at its first short read
             key = self._string()
+            if key in self.metadata:
+                raise ValueError(f"{self.path}: duplicate GGUF metadata key {key!r}")
             self.metadata[key] = self._value(self._scalar(4))
         infos = []
         for _ in range(tensor_count):
             name = self._string()
             n_dims = self._scalar(4)
+            if n_dims > _MAX_DIMS:
+                raise ValueError(f"{self.path}: tensor {name!r} has {n_dims} dimensions")
             dims = [self._scalar(10) for _ in range(n_dims)]
             infos.append((name, tuple(reversed(dims)), self._scalar(4), self._scalar(10)))
-        alignment = int(self.metadata.get("general.alignment", DEFAULT_ALIGNMENT))
+        alignment = self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+        # llama.cpp's rule: a power of two
+        if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+            raise ValueError(f"{self.path}: general.alignment {alignment!r} is not a power of two")
         data_start = -(-self._pos // alignment) * alignment
         self.tensors: dict[str, GGUFTensorInfo] = {}
         for name, shape, ggml_type, offset in infos:
-            nbytes = tensor_nbytes(ggml_type, shape)
+            if name in self.tensors:
+                raise ValueError(f"{self.path}: duplicate GGUF tensor {name!r}")
+            if ggml_type not in GGML_TYPES:
+                raise ValueError(f"{self.path}: tensor {name!r} has unknown ggml type {ggml_type}")
+            if offset % alignment:
+                raise ValueError(
+                    f"{self.path}: tensor {name!r} offset {offset} is not a multiple of the "
+                    f"alignment {alignment}"
+                )
+            try:
+                nbytes = tensor_nbytes(ggml_type, shape)
+            except ValueError as e:
+                raise ValueError(f"{self.path}: tensor {name!r}: {e}") from None
             start = data_start + offset
             if start + nbytes > len(self._data):
                 raise ValueError(f"{self.path}: tensor {name} runs past the end of the file")
             self.tensors[name] = GGUFTensorInfo(name, shape, ggml_type, start, nbytes)
+        # [offset, offset + nbytes) ranges must not overlap (llama.cpp lays them end to end)
+        spans = sorted((t.offset, t.offset + t.nbytes, t.name) for t in self.tensors.values())
+        for (_, end, prev), (begin, _, name) in itertools.pairwise(spans):
+            if begin < end:
+                raise ValueError(f"{self.path}: tensors {prev!r} and {name!r} overlap")
 
     # -- metadata parsing: a cursor over the memory map --------------------------------------
     def _read(self, n: int) -> bytes:
@@ -96,12 +124,17 @@ class GGUFFile:
 
     def _strings(self, count: int) -> list[str]:
         mm, pos, unpack, out = self._mmap, self._pos, _SCALAR_TYPES[10].unpack_from, []
+        size = len(mm)
+        if count > (size - pos) // 8:  # each string takes at least its 8-byte length
+            raise ValueError(f"{self.path}: truncated GGUF header")
         for _ in range(count):
+            if pos + 8 > size:
+                raise ValueError(f"{self.path}: truncated GGUF header")
             (n,) = unpack(mm, pos)
+            if n > size - pos - 8:
+                raise ValueError(f"{self.path}: truncated GGUF header")
             out.append(mm[pos + 8 : pos + 8 + n].decode("utf-8", errors="replace"))
             pos += 8 + n
-        if pos > len(mm):
-            raise ValueError(f"{self.path}: truncated GGUF header")
         self._pos = pos
         return out
 
@@ -115,6 +148,8 @@ class GGUFFile:
                 return np.frombuffer(self._read(dt.itemsize * count), dtype=dt).tolist()
             if etype == _STRING:  # hot: vocabularies and merges hold ~10^5 strings
                 return self._strings(count)
+            if count > len(self._mmap) - self._pos:  # every value takes at least one byte
+                raise ValueError(f"{self.path}: truncated GGUF header")
             return [self._value(etype) for _ in range(count)]
         if vtype not in _SCALAR_TYPES:
             raise ValueError(f"{self.path}: unknown GGUF metadata type {vtype}")

@@ -239,6 +239,7 @@ def gguf_tokenizer(f: GGUFFile):
     tokens: list[str] = f.get("tokenizer.ggml.tokens") or []
     if not tokens:
         raise ValueError("GGUF metadata lacks tokenizer.ggml.tokens")
+    _check_token_arrays(f, tokens)
     types: list[int] = f.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
     default_ids, default_add_bos = _DEFAULTS[kind]
 
@@ -286,6 +287,29 @@ def gguf_tokenizer(f: GGUFFile):
         clean_up_tokenization_spaces=False,
         model_max_length=int(f.get(f"{f.get('general.architecture')}.context_length", 2048)),
     )
+
+
+def _check_token_arrays(f: GGUFFile, tokens: object) -> None:
+    """The vocabulary arrays' types and lengths: scores and token types, one per token; merges,
+    "left right" strings."""
+    if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
+        raise ValueError(f"{f.path}: GGUF tokenizer.ggml.tokens is not an array of strings")
+    for key, kind in (("scores", (int, float)), ("token_type", int)):
+        values = f.get(f"tokenizer.ggml.{key}")
+        if values is None:
+            continue
+        if not isinstance(values, list) or not all(isinstance(v, kind) for v in values):
+            raise ValueError(f"{f.path}: GGUF tokenizer.ggml.{key} is not an array of numbers")
+        if len(values) != len(tokens):
+            raise ValueError(
+                f"{f.path}: GGUF tokenizer.ggml.{key} has {len(values)} entries for "
+                f"{len(tokens)} tokens"
+            )
+    merges = f.get("tokenizer.ggml.merges")
+    if merges is not None and not (
+        isinstance(merges, list) and all(isinstance(m, str) and " " in m for m in merges)
+    ):
+        raise ValueError(f'{f.path}: GGUF tokenizer.ggml.merges is not an array of "a b" strings')
 
 
 def _template(tokens: list[str], bos: int | None, eos: int | None):

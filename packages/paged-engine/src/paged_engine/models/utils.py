@@ -58,6 +58,7 @@ def load_named_weights(
     params = dict(model.named_parameters())
     stacked = list(stacked)
     loaded: set[str] = set()
+    shards: dict[str, set] = {}  # fused parameter -> the shard ids loaded into it
     unexpected: list[str] = []
     for hf_name, tensor in weights:
         name = rename(hf_name)
@@ -85,10 +86,16 @@ def load_named_weights(
                         loader(param, w)
                     else:
                         loader(param, w, shard_id)
-                except ValueError as e:
-                    raise ValueError(f"cannot load weight {hf_name!r} into {pname!r}: {e}") from e
+                except (ValueError, RuntimeError) as e:  # RuntimeError: a narrow out of range
+                    raise ValueError(
+                        f"cannot load weight {hf_name!r} of shape {list(w.shape)} into {pname!r} "
+                        f"of shape {list(param.shape)}: {e}"
+                    ) from e
             loaded.add(pname)
+            shards.setdefault(pname, set()).add(shard_id)
     missing = sorted(n for n in params if n not in loaded) if strict else []
+    if strict:  # a fused weight some of whose shards never came (a checkpoint lacking k_proj)
+        missing += _missing_shards(shards, stacked)
     if unexpected or missing:
         parts = []
         if unexpected:
@@ -97,6 +104,19 @@ def load_named_weights(
             parts.append(f"missing weights {_short(missing)}")
         raise ValueError(f"{type(model).__name__}: checkpoint does not match: " + "; ".join(parts))
     return loaded
+
+
+def _missing_shards(shards: dict[str, set], stacked: list[StackedRule]) -> list[str]:
+    """`name (shard ...)` of each fused `.weight` loaded shard by shard that lacks a shard its
+    rules name (a whole tensor, shard id None, fills it all)."""
+    out = []
+    for pname, got in shards.items():
+        if None in got or not pname.endswith(".weight"):
+            continue
+        want = {r[2] for r in stacked if f".{r[0].strip('.')}." in f".{pname}"}
+        if want - got:
+            out.append(f"{pname} (shards {sorted(map(str, want - got))})")
+    return out
 
 
 def _short(names: list[str], limit: int = 12) -> str:

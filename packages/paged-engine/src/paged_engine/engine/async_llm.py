@@ -15,7 +15,8 @@ Invariants:
   the engine thread, the add first), and is dropped with its finished output; a consumer that
   stops iterating early (break, cancellation, an exception) aborts its request, and `abort()`
   ends a request's generator with asyncio.CancelledError (vLLM's behaviour). A pause or sleep
-  with mode "abort" finishes the requests instead (finish_reason "abort"), as on `LLMEngine`.
+  with mode "abort" finishes the requests instead (finish_reason "abort"), as on `LLMEngine`;
+  a pooling request, which has no partial result, ends with CancelledError then.
 - Request ids, as vLLM's: each request gets an internal id (the caller's plus 8 random hex
   digits, `internal_request_id`) that keys `_streams` and every engine call, so requests sharing
   the caller's id in flight are all served; their outputs carry the caller's id. A generator
@@ -129,6 +130,8 @@ class AsyncLLM:
         self._streams: dict[str, _Stream] = {}  # by internal id; engine thread only
         self._dead: BaseException | None = None
         self._stopping = False
+        self._closed = False  # set once the engine thread no longer takes commands
+        self._pauses = False  # a pause or sleep ran: sweep streams its aborts left unanswered
         self.engine: Any = None
         self.tokenizer: Any = None
         ready = concurrent.futures.Future()
@@ -336,6 +339,8 @@ class AsyncLLM:
             raise EngineDeadError("the engine was shut down")
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put((*command, fut))
+        if self._closed:  # the engine thread stopped after the checks above: no one else answers
+            self._refuse_queued()
         return await asyncio.wrap_future(fut)
 
     async def _call(self, fn: Callable[[Any], Any]) -> Any:
@@ -374,19 +379,25 @@ class AsyncLLM:
         try:
             self._loop()
         finally:
-            error = self._dead or EngineDeadError("the engine was shut down")
             self._stopping = True
-            self._fail_all(error)
-            while True:  # commands queued meanwhile fail rather than wait forever
-                try:
-                    command = self._commands.get_nowait()
-                except queue.Empty:
-                    break
-                fut = command[-1]
-                answers = isinstance(fut, concurrent.futures.Future)
-                if answers and fut.set_running_or_notify_cancel():
-                    fut.set_exception(error)
+            self._fail_all(self._dead or EngineDeadError("the engine was shut down"))
+            # Closed before the drain: a caller that queues after it sees `_closed` and drains.
+            self._closed = True
+            self._refuse_queued()
             self.engine.shutdown()
+
+    def _refuse_queued(self) -> None:
+        """Fail every queued command that answers (any thread may drain, each command once)."""
+        error = self._dead or EngineDeadError("the engine was shut down")
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            fut = command[-1]
+            answers = isinstance(fut, concurrent.futures.Future)
+            if answers and fut.set_running_or_notify_cancel():
+                fut.set_exception(error)
 
     def _loop(self) -> None:
         engine = self.engine
@@ -429,6 +440,8 @@ class AsyncLLM:
                 self._fail_all(e)
                 continue
             self._dispatch(outputs)
+            if self._pauses and not (engine.engine_core.held or engine.sleep_mode.held):
+                self._end_unanswered()  # (every output the pause held is dispatched by now)
 
     def _run_command(self, command: tuple) -> None:
         kind, *rest = command
@@ -478,23 +491,42 @@ class AsyncLLM:
         on their own with a ValueError; the others go on (paged-server answers them a 400)."""
         logger.warning("%s: failing %s", e, ", ".join(e.request_ids))
         self.engine.abort_request(e.request_ids)
-        num_blocks = self.engine.block_manager.pool.num_blocks - 1  # (less the null block)
+        error = self._too_big(e)
         for _, stream in pop_each(self._streams, e.request_ids):
-            error = ValueError(f"max_tokens: {e.culprit_message(num_blocks)}")
-            error.__cause__ = e
             stream.put(error)
 
+    def _too_big(self, e: SchedulerStuckError) -> ValueError:
+        num_blocks = self.engine.block_manager.pool.num_blocks - 1  # (less the null block)
+        error = ValueError(f"max_tokens: {e.culprit_message(num_blocks)}")
+        error.__cause__ = e
+        return error
+
     def _fail_culprits(self, e: RequestFailedError) -> None:
+        cause = e.cause
+        if isinstance(cause, SchedulerStuckError):  # named by a "wait" pause's steps: as above
+            cause = self._too_big(cause)
         for _, stream in pop_each(self._streams, e.request_ids):
-            stream.put(e.cause)
+            stream.put(cause)
 
     def _settled(self, pause: Callable[[], None]) -> None:
         """Run a pause or sleep; requests a "wait" pause saw fail alone fail their streams (the
         pause itself succeeded)."""
+        self._pauses = True
         try:
             pause()
         except RequestFailedError as e:
             self._fail_culprits(e)
+
+    def _end_unanswered(self) -> None:
+        """End the streams whose requests the engine dropped without an output: a pooling
+        request a pause or sleep aborted (it has no partial result, and LLMEngine.step returns
+        none) ends with asyncio.CancelledError, as abort() ends it. Run once the outputs the
+        pause held were dispatched."""
+        self._pauses = False
+        states = self.engine.output_processor.states
+        gone = [rid for rid in self._streams if rid not in states]
+        for _, stream in pop_each(self._streams, gone):
+            stream.put(_aborted(stream.request_id))
 
     def _fail_all(self, error: BaseException) -> None:
         streams, self._streams = self._streams, {}

@@ -1,14 +1,13 @@
 """vLLM's rules for `logprob_token_ids` (vllm/sampling_params.py `_validate_logprobs`, the
 OpenAI protocols' `to_sampling_params`): `logprobs` is None or the ids' count as given; the
 ids are bounded by MAX_LOGPROB_TOKEN_IDS (128), not by max_logprobs, which still bounds
-prompt_logprobs; the OpenAI server does not send the logprobs count beside the ids."""
+prompt_logprobs. The server's side: tests/server/test_logprob_token_ids_server.py."""
 
 from __future__ import annotations
 
 import dataclasses
 
 import pytest
-from server_proc import COMMON_ARGS, MAX_MODEL_LEN, serve_in_process
 
 from paged_engine import LLM, SamplingParams
 from paged_engine.sampling_params import MAX_LOGPROB_TOKEN_IDS, whole_vocabulary
@@ -50,7 +49,7 @@ def test_at_most_128_ids():
 @pytest.fixture(scope="module")
 def llm(tiny_model_factory):
     path = tiny_model_factory("llama")
-    llm = LLM(model=str(path), dtype="float32", max_model_len=MAX_MODEL_LEN, max_logprobs=2)
+    llm = LLM(model=str(path), dtype="float32", max_model_len=128, max_logprobs=2)
     yield llm
     llm.llm_engine.shutdown()
 
@@ -69,36 +68,3 @@ def test_max_logprobs_bounds_the_top_k_counts_not_the_ids(llm):
         llm.generate(PROMPT, bounded, use_tqdm=False)
     with pytest.raises(ValueError, match=r"^logprobs=3 .*max_logprobs=2"):
         llm.generate(PROMPT, SamplingParams(**kw, logprobs=3), use_tqdm=False)
-
-
-def test_the_server_does_not_send_the_count_beside_the_ids(llm):
-    """As vLLM's server: the ids decide what each position reports, whatever logprobs /
-    top_logprobs say, and --max-logprobs (2 here) holds neither; an echoed prompt's logprobs
-    count is still held to it."""
-    wanted = list(range(10, 35))  # 25 ids
-    keys = {"return_tokens_as_token_ids": True, "temperature": 0, "max_tokens": 2}
-    with serve_in_process(COMMON_ARGS, llm.llm_engine) as (http, _):
-        body = {"model": "tiny", "prompt": [5, 6, 7], **keys}
-        for logprobs in (0, 1, 40):
-            status, _, answer = http.request(
-                "POST",
-                "/v1/completions",
-                {**body, "logprobs": logprobs, "logprob_token_ids": wanted},
-            )
-            assert status == 200, answer
-            for top in answer["choices"][0]["logprobs"]["top_logprobs"]:
-                assert {f"token_id:{t}" for t in wanted} <= set(top) and len(top) <= 26
-        chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], **keys}
-        chat |= {"logprobs": True, "top_logprobs": 1, "logprob_token_ids": wanted}
-        status, _, answer = http.request("POST", "/v1/chat/completions", chat)
-        assert status == 200, answer
-        for entry in answer["choices"][0]["logprobs"]["content"]:
-            shown = {t["token"] for t in entry["top_logprobs"]}
-            assert {f"token_id:{t}" for t in wanted} <= shown
-        echoed = {**body, "echo": True, "logprobs": 3, "logprob_token_ids": wanted}
-        status, _, bad = http.request("POST", "/v1/completions", echoed)
-        assert status == 400 and bad["error"]["param"] == "logprobs", bad
-        too_many = {**body, "logprobs": 1, "logprob_token_ids": [1] * 129}
-        status, _, bad = http.request("POST", "/v1/completions", too_many)
-        assert status == 400 and bad["error"]["param"] == "logprob_token_ids", bad
-        assert "at most 128" in bad["error"]["message"], bad

@@ -7,10 +7,10 @@ counted from when it is sent until its response ends), so long requests do not p
 replica. Responses pass through unchanged: an SSE stream byte for byte (`event:` lines, `data:
 [DONE]` where the route sends one), ended when the replica's stream ends (a replica that breaks
 off mid-stream: an in-band 502); a client that disconnects closes its replica connection, which
-aborts the request there (asked every `_WATCH_INTERVAL` while the front waits on the replica, as
-a single server asks while it waits on its engine: not only at the next write). A replica's
-whole answer must arrive within the front's timeout, a stream's each event within it of the one
-before (`ReplicaConnection`: every receive counts, so a replica dribbling bytes is cut too):
+aborts the request there (asked every 0.25 s while the front waits on the replica, as a
+single server asks while it waits on its engine: not only at the next write). A replica's whole
+answer must arrive within the front's timeout, a stream's each event within it of the one
+before (replica_connection.py: every receive counts, so a replica dribbling bytes is cut too):
 else a 504.
 
 Stored Responses API responses live in the replica that answered them, and the front keeps no
@@ -40,19 +40,15 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import http.client
-import io
 import json
 import logging
-import math
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 from urllib.parse import parse_qs, urlsplit
@@ -69,6 +65,7 @@ from paged_server.exposition import (
     wants_openmetrics,
 )
 from paged_server.http import Handler
+from paged_server.replica_connection import ClientGone, ReplicaConnection
 
 log = logging.getLogger("paged_server")
 
@@ -84,112 +81,6 @@ _RESPONSE_ID = re.compile(r"[A-Za-z0-9_-]+")  # what a replica's response ids ar
 
 class _Unreached(Exception):
     """A replica's connection failed before any byte of the request was sent."""
-
-
-class _ClientGone(ConnectionResetError):
-    """The client left while the front waited on its replica's answer."""
-
-
-class _ReplicaSocket:
-    """A connected replica socket whose reads (through `makefile`, as http.client reads an
-    answer) each end by `deadline` (monotonic seconds): the socket timeout alone bounds one
-    receive, so a replica sending a byte a little faster than that would hold its reader
-    forever. Past the deadline a read raises TimeoutError; with `client_gone` set, a read waiting
-    on the replica raises `_ClientGone` once that returns True (asked every `_WATCH_INTERVAL`).
-    As a socket's, `close` waits for the readers made from it to close (http.client closes the
-    connection before reading the body of an answer that ends it)."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self._sock = sock
-        self.deadline = float("inf")
-        self.client_gone: Callable[[], bool] | None = None
-        self._readers = 0
-        self._closing = False
-
-    def makefile(self, mode: str = "rb", *args: Any, **kwargs: Any) -> io.BufferedReader:
-        assert mode == "rb", mode
-        self._readers += 1
-        return io.BufferedReader(_DeadlineReader(self))
-
-    def recv_into(self, buf: Any) -> int:
-        while True:
-            left = self.deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError("the replica's answer is past its deadline")
-            if self.client_gone is None:
-                self._sock.settimeout(None if left == math.inf else left)  # no deadline set
-                return self._sock.recv_into(buf)
-            self._sock.settimeout(min(left, _WATCH_INTERVAL))
-            try:
-                return self._sock.recv_into(buf)
-            except TimeoutError:  # nothing received (a timed-out recv consumes nothing)
-                if self.client_gone():
-                    raise _ClientGone("client disconnected") from None
-
-    def release(self) -> None:
-        self._readers -= 1
-        if self._closing and not self._readers:
-            self._sock.close()
-
-    def close(self) -> None:
-        self._closing = True
-        if not self._readers:
-            self._sock.close()
-
-    def close_now(self) -> None:
-        self._closing = True
-        self._sock.close()
-
-    def __getattr__(self, name: str) -> Any:  # sendall, setsockopt, ...: the socket's
-        return getattr(self._sock, name)
-
-
-class _DeadlineReader(io.RawIOBase):
-    """One reader of a `_ReplicaSocket`."""
-
-    def __init__(self, owner: _ReplicaSocket) -> None:
-        self.owner = owner
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buf: Any) -> int:
-        return self.owner.recv_into(buf)
-
-    def close(self) -> None:
-        if not self.closed:
-            super().close()
-            self.owner.release()
-
-
-class ReplicaConnection(http.client.HTTPConnection):
-    """A connection to a replica whose answer must arrive by a deadline (`expect`), not only
-    with no gap past `timeout` between receives."""
-
-    reads: _ReplicaSocket | None = None
-
-    def connect(self) -> None:
-        super().connect()
-        # kept here too: http.client drops `sock` when an answer ends the connection, and
-        # that answer's reader reads on
-        self.sock = self.reads = _ReplicaSocket(self.sock)
-
-    def done(self) -> None:
-        """Close the connection and the socket itself, a reader of its answer left open or not
-        (a client gone mid-stream: the replica sees its connection end, and aborts)."""
-        self.close()
-        if self.reads is not None:
-            self.reads.close_now()
-
-    def expect(self, seconds: float) -> None:
-        """Every read from now on ends within `seconds` of now (once connected)."""
-        assert self.reads is not None, "connect first"
-        self.reads.deadline = time.monotonic() + seconds
-
-    def watch(self, client_gone: Callable[[], bool]) -> None:
-        """Reads waiting on the replica end (`_ClientGone`) once `client_gone()` is True."""
-        assert self.reads is not None, "connect first"
-        self.reads.client_gone = client_gone
 
 
 class Answer(NamedTuple):
@@ -318,7 +209,7 @@ class ReplicaRouter:
             try:
                 conn.request(method, h.path, body=body, headers=_headers(h))
                 resp = conn.getresponse()
-            except _ClientGone:
+            except ClientGone:
                 raise
             except (OSError, http.client.HTTPException) as e:
                 raise _failed(replica.index, "did not answer", e, self.timeout) from e
@@ -329,7 +220,7 @@ class ReplicaRouter:
             extra = {k: v for k in _PASS_RESPONSE_HEADERS if (v := resp.getheader(k))}
             try:
                 data = resp.read()
-            except _ClientGone:
+            except ClientGone:
                 raise
             except (OSError, http.client.HTTPException) as e:
                 raise _failed(replica.index, "broke off", e, self.timeout) from e
@@ -510,7 +401,7 @@ def _relay(
     while True:
         try:
             data = resp.read1(1 << 16)
-        except _ClientGone:
+        except ClientGone:
             raise
         except (OSError, http.client.HTTPException) as e:
             raise _failed(index, "broke off its stream", e, gap) from e
@@ -549,7 +440,6 @@ def _estimate_tokens(body: Any, body_bytes: int) -> int:
 
 
 _ASK_TIMEOUT = 10.0  # seconds for a replica's whole /health or /metrics answer
-_WATCH_INTERVAL = 0.25  # seconds between checks that a waiting client is still there (app.py's)
 _IMAGE_TOKENS = 576  # LLaVA-1.5's 24 x 24 patches: the front does not know the model's count
 _VIDEO_TOKENS = 4096  # 32 frames in 16 temporal groups of 256 merged patches (Qwen2-VL)
 _AUDIO_TOKENS = 750  # a 30-second window of Whisper's encoder, pooled (Qwen2-Audio)

@@ -172,12 +172,13 @@ TIMEOUT = 0.6  # the front's timeout in these tests
 
 
 @pytest.fixture
-def front() -> Iterator[Callable[[int], SimpleNamespace]]:
+def front() -> Iterator[Callable[..., SimpleNamespace]]:
     servers: list[Server] = []
 
-    def make(port: int) -> SimpleNamespace:
+    def make(*ports: int) -> SimpleNamespace:
         live = SimpleNamespace(poll=lambda: None)  # a running replica process
-        router = ReplicaRouter([Replica(0, live, "127.0.0.1", port)], timeout=TIMEOUT)
+        replicas = [Replica(i, live, "127.0.0.1", port) for i, port in enumerate(ports)]
+        router = ReplicaRouter(replicas, timeout=TIMEOUT)
         server = Server(("127.0.0.1", 0), router, io_timeout=3)
         threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
         servers.append(server)
@@ -280,6 +281,26 @@ def test_health_of_a_dribbling_replica_is_bounded(front, monkeypatch) -> None:
         assert time.monotonic() - t0 < TIMEOUT + 1.5
     finally:
         replica.stop()
+
+
+def test_health_asks_every_replica_at_once(front, monkeypatch) -> None:
+    """Four stalled replicas cost one ask's timeout, not four (they were asked in turn: a
+    health check behind K stalled replicas took K x 10 s)."""
+    monkeypatch.setattr(data_parallel, "_ASK_TIMEOUT", 1.0)
+    replicas = [
+        _Replica(lambda sock, stop: _dribble(sock, stop, HEAD + BODY, 0.1)) for _ in range(4)
+    ]
+    try:
+        f = front(*(r.server_address[1] for r in replicas))
+        t0 = time.monotonic()
+        status, _, out = f.http.request("GET", "/health", timeout=10)
+        assert status == 503 and "[0, 1, 2, 3]" in out["error"]["message"], out
+        assert time.monotonic() - t0 < 3.0  # asked in turn: at least 4 s
+        status, _, text = f.http.request("GET", "/metrics", timeout=10)
+        assert status == 200 and text == ""  # none answered whole: an empty exposition
+    finally:
+        for r in replicas:
+            r.stop()
 
 
 def test_a_replica_connection_closing_early_keeps_its_answer_readable(front) -> None:

@@ -49,6 +49,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 from urllib.parse import parse_qs, urlsplit
@@ -344,8 +345,17 @@ class ReplicaRouter:
         finally:
             conn.done()
 
+    def _ask_all(self, path: str) -> list[tuple[int, bytes]]:
+        """GET `path` of every replica at once, (status, body) each in replica order: a
+        stalled replica costs one `_ASK_TIMEOUT`, not one per replica."""
+        if len(self.replicas) == 1:
+            return [self._ask(self.replicas[0], path)]
+        with ThreadPoolExecutor(len(self.replicas), thread_name_prefix="ask") as pool:
+            return list(pool.map(lambda r: self._ask(r, path), self.replicas))
+
     def _health(self, h: Handler) -> None:
-        bad = [r.index for r in self.replicas if self._ask(r, "/health")[0] != 200]
+        answers = zip(self.replicas, self._ask_all("/health"))
+        bad = [r.index for r, (status, _) in answers if status != 200]
         if bad:
             raise APIError(503, f"engine replica(s) {bad} unhealthy")
         h.send_json(200, {"status": "ok", "replicas": len(self.replicas)})
@@ -354,11 +364,11 @@ class ReplicaRouter:
         """Every answering replica's metrics as one exposition, each sample labelled with its
         replica (families kept whole: a parser reads samples after another family's as a new
         untyped family), in the format the scraper asks for."""
-        scrapes = []
-        for r in self.replicas:
-            status, text = self._ask(r, "/metrics")
-            if status == 200:
-                scrapes.append((str(r.index), text.decode(errors="replace")))
+        scrapes = [
+            (str(r.index), text.decode(errors="replace"))
+            for r, (status, text) in zip(self.replicas, self._ask_all("/metrics"))
+            if status == 200
+        ]
         body = merge_expositions(scrapes)
         if wants_openmetrics(h.headers.get("Accept", "")):
             h.send_bytes(200, to_openmetrics(body).encode(), OPENMETRICS_CONTENT_TYPE)

@@ -98,10 +98,14 @@ class _Stream:
 
     group: RequestGroup
     index: int  # in the group
-    request_id: str  # the caller's (external) id: group.request_ids[index]
     # its latency bookkeeping (output thread only); arrival: when the HTTP thread handed it
     # over (monotonic: the engine's clock too)
     clock: RequestClock
+
+    @property
+    def request_id(self) -> str:
+        """The caller's (external) id, which `request_ids.internal_ids` matches."""
+        return self.group.request_ids[self.index]
 
 
 @dataclass
@@ -473,9 +477,8 @@ class EngineClient:
             group.add_error = group.add_error or APIError(500, f"internal error adding {rid}: {e}")
         else:
             with self._lock:
-                external = group.request_ids[cmd.index]
                 clock = request_clock(cmd.arrival, cmd.params)
-                self._streams[rid] = _Stream(group, cmd.index, external, clock)
+                self._streams[rid] = _Stream(group, cmd.index, clock)
         group._num_added += 1
         if group._num_added == len(group.request_ids):
             group._added.set()

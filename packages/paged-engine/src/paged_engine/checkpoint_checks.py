@@ -13,6 +13,7 @@ building modules, a hidden size of 10**12 would ask the allocator for terabytes.
 
 from __future__ import annotations
 
+import itertools
 import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -57,6 +58,15 @@ def check_config(config: Any, source: str | Path) -> None:
             f"{source}: num_key_value_heads={kv} must be between 1 and num_attention_heads="
             f"{heads} and divide it"
         )
+
+
+def check_disjoint(spans: list[tuple[int, int, str]], source: str | Path) -> None:
+    """ValueError naming `source` and two tensors whose [begin, end) byte ranges in the file
+    overlap (safetensors and GGUF files lay tensors end to end)."""
+    ordered = sorted(spans)
+    for (_, end, prev), (begin, _, name) in itertools.pairwise(ordered):
+        if begin < end:
+            raise ValueError(f"{source}: tensors {prev!r} and {name!r} overlap in the file")
 
 
 def config_weight_lower_bound(config: Any) -> int:

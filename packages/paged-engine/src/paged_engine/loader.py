@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import json
 import logging
 import math
@@ -28,7 +27,7 @@ import torch
 from torch import nn
 
 from paged_engine.bnb_checkpoint import bnb_scheme, unpack_bnb_weights
-from paged_engine.checkpoint_checks import check_config, check_config_size
+from paged_engine.checkpoint_checks import check_config, check_config_size, check_disjoint
 from paged_engine.config_ignored import with_effective_fields
 from paged_engine.layers.linear import deferred_weights
 from paged_engine.layers.rotary import rope_context_len
@@ -724,10 +723,7 @@ def _check_st_entries(name: str, header: dict[str, Any], data_len: int) -> None:
             )
         if offsets[0] < offsets[1]:
             spans.append((offsets[0], offsets[1], key))
-    spans.sort()
-    for (_, end, prev), (begin, _, key) in itertools.pairwise(spans):
-        if begin < end:
-            raise ValueError(f"{name}: tensors {prev!r} and {key!r} overlap in the file")
+    check_disjoint(spans, name)
 
 
 def mmap_safetensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:

@@ -8,7 +8,6 @@ u64 dims[n_dims] innermost first, u32 ggml type, u64 offset); padding to `genera
 
 from __future__ import annotations
 
-import itertools
 import mmap
 import struct
 from dataclasses import dataclass
@@ -43,6 +42,7 @@ class GGUFFile:
     """A parsed GGUF file. `metadata` holds plain Python values (lists for arrays)."""
 
     def __init__(self, path: str | Path) -> None:
+        from paged_engine.checkpoint_checks import check_disjoint
         from paged_engine.gguf.dequant import GGML_TYPES, tensor_nbytes
 
         self.path = Path(path)
@@ -98,10 +98,8 @@ class GGUFFile:
                 raise ValueError(f"{self.path}: tensor {name} runs past the end of the file")
             self.tensors[name] = GGUFTensorInfo(name, shape, ggml_type, start, nbytes)
         # [offset, offset + nbytes) ranges must not overlap (llama.cpp lays them end to end)
-        spans = sorted((t.offset, t.offset + t.nbytes, t.name) for t in self.tensors.values())
-        for (_, end, prev), (begin, _, name) in itertools.pairwise(spans):
-            if begin < end:
-                raise ValueError(f"{self.path}: tensors {prev!r} and {name!r} overlap")
+        spans = [(t.offset, t.offset + t.nbytes, t.name) for t in self.tensors.values()]
+        check_disjoint(spans, self.path)
 
     # -- metadata parsing: a cursor over the memory map --------------------------------------
     def _read(self, n: int) -> bytes:

@@ -3,7 +3,8 @@
 
     POST /classify, /v1/classify
         {"model", "input": "text" | ["text", ...] | [ids] | [[ids], ...],
-         "truncate_prompt_tokens", "use_activation", "add_special_tokens", "priority", "user"}
+         "truncate_prompt_tokens", "use_activation", "add_special_tokens", "priority", "user",
+         "request_id"}
     -> {"id", "object": "list", "created", "model",
         "data": [{"index": i, "label": name, "probs": [...], "num_classes": n}],
         "usage": {"prompt_tokens", "total_tokens", "completion_tokens": 0}}
@@ -22,6 +23,7 @@ from paged_server.embeddings import (
     inputs,
     list_answer,
     parse_priority,
+    parse_request_id,
     parse_truncate,
     prompt_tokens,
     run_pooling,
@@ -42,13 +44,16 @@ _FIELDS = frozenset(
         "use_activation",
         "add_special_tokens",
         "priority",
+        "request_id",
     }
 )
+# vLLM's ClassificationCompletionRequest fields accepted at their defaults only (POOLING_OFF)
+_OFF = ("padding", "truncation_side", "cache_salt", "mm_processor_kwargs")
 
 
 def parse_classify(body: Any) -> dict[str, Any]:
     """The checked fields of a classify body (400 naming the first bad one)."""
-    body = check_fields(body, _FIELDS, "/classify")
+    body = check_fields(body, _FIELDS, "/classify", _OFF)
     special = body.get("add_special_tokens")
     if special is not None and not isinstance(special, bool):
         raise bad_request("'add_special_tokens' must be a boolean", "add_special_tokens")
@@ -59,6 +64,7 @@ def parse_classify(body: Any) -> dict[str, Any]:
         "use_activation": body.get("use_activation"),
         "add_special_tokens": body.get("add_special_tokens") is not False,
         "priority": parse_priority(body),
+        "request_id": parse_request_id(body),
     }
 
 
@@ -75,7 +81,7 @@ def serve_classify(app: OpenAIApp, h: Handler) -> None:
         prompt_tokens(app, item, f"input[{i}]", req["truncate"], req["add_special_tokens"])
         for i, item in enumerate(req["inputs"])
     ]
-    rid = f"classify-{app.base_request_id(h)}"
+    rid = f"classify-{app.base_request_id(h, req['request_id'])}"
     params = PoolingParams(use_activation=req["use_activation"], task="classify")
     outs = run_pooling(app, h, rid, ids, params, lora, req["priority"])
     data = []

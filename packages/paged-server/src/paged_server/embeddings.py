@@ -8,7 +8,9 @@ classifier's probabilities) as `{"object": "pooling", "data": [...]}` items.
         "model": M, "usage": {"prompt_tokens": n, "total_tokens": n}}
 
 vLLM's extras: `truncate_prompt_tokens` (keep k, cut on truncation_side; -1: all that fit),
-`add_special_tokens` (default true), `normalize`. Instead of `input`, vLLM's chat form:
+`add_special_tokens` (default true), `normalize` (or `use_activation`, its newer name),
+`request_id` (the answer's id is "embd-" + it); the rest of vLLM's fields only at their defaults
+(POOLING_OFF). Instead of `input`, vLLM's chat form:
 `messages` through the chat template (`chat_template_kwargs`, `add_generation_prompt` default
 false, `continue_final_message`, `chat_template`, `mm_processor_kwargs` as chat completions
 take them), one pooled input; `add_special_tokens` then defaults to false (the template holds
@@ -48,7 +50,9 @@ _FIELDS = frozenset(
         "truncate_prompt_tokens",
         "add_special_tokens",
         "normalize",
+        "use_activation",  # vLLM's newer name for normalize on this route
         "priority",
+        "request_id",
     }
 )
 # vLLM's chat form of the body: `messages` (and what renders them) instead of `input`
@@ -74,10 +78,51 @@ class EmbeddingRequest:
     add_special_tokens: bool
     priority: int = 0  # --scheduling-policy priority: lower runs first
     chat: dict[str, Any] | None = None  # the chat form's fields (then `inputs` is empty)
+    request_id: str | None = None
 
 
-# /pooling's extras: what to pool (the model's own when absent) and a classifier's activation.
-_POOLING_FIELDS = _FIELDS | {"task", "use_activation"}
+# /pooling's extra: what to pool (the model's own when absent).
+_POOLING_FIELDS = _FIELDS | {"task"}
+# vLLM's pooling request fields this server does not implement, accepted at their defaults
+# (any other value: a 400 naming the field); each route lists the ones its vLLM model has.
+POOLING_OFF: dict[str, tuple[Any, ...]] = {
+    "padding": (None, "do_not_pad"),
+    "truncation_side": (None,),  # the tokenizer's own side cuts (truncated_tokens)
+    "cache_salt": (None,),
+    "mm_processor_kwargs": (None, {}),
+    "media_io_kwargs": (None, {}),
+    "embed_dtype": (None, "float32"),  # base64 is float32 ...
+    "endianness": (None, "native", "little"),  # ... little-endian (encode)
+    "max_tokens_per_query": (None, 0),
+    "max_tokens_per_doc": (None, 0),
+}
+_EMBED_OFF = (
+    "padding",
+    "truncation_side",
+    "cache_salt",
+    "media_io_kwargs",
+    "embed_dtype",
+    "endianness",
+)
+
+
+def check_off(body: dict, names: tuple[str, ...]) -> None:
+    """The `names` of POOLING_OFF in `body` hold their default values (else a 400)."""
+    for name in names:
+        if name in body and body[name] not in POOLING_OFF[name]:
+            raise bad_request(f"parameter '{name}' is not supported by this server", name)
+
+
+def parse_request_id(body: dict) -> str | None:
+    """vLLM's `request_id`: the response id is the route's prefix plus it (unless the
+    X-Request-Id header names one)."""
+    rid = body.get("request_id")
+    ok = isinstance(rid, str) and 0 < len(rid) <= 128 and rid.isprintable()
+    if rid is not None and not ok:
+        raise bad_request("'request_id' must be 1-128 printable characters", "request_id")
+    return rid
+
+
 _POOLING_TASKS = ("embed", "classify", "token_embed", "token_classify")
 
 
@@ -85,13 +130,16 @@ def parse_embedding(body: Any, route: str = "/v1/embeddings") -> EmbeddingReques
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     known = (_POOLING_FIELDS if route == "/pooling" else _FIELDS) | _CHAT_FIELDS
-    unknown = sorted(set(body) - known)
+    unknown = sorted(set(body) - known - set(_EMBED_OFF))
     if unknown:
         raise bad_request(f"parameter '{unknown[0]}' is not supported by {route}", unknown[0])
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad_request("'model' must be a string", "model")
+    check_off(body, _EMBED_OFF)
     chat = {k: body[k] for k in _CHAT_FIELDS if k in body}
+    if chat.get("mm_processor_kwargs", 1) in POOLING_OFF["mm_processor_kwargs"]:
+        del chat["mm_processor_kwargs"]  # (vLLM's input form has it too: asks for nothing)
     if chat and "messages" not in chat:
         raise bad_request(f"'{next(iter(chat))}' goes with 'messages'", next(iter(chat)))
     if chat and "input" in body:
@@ -108,11 +156,18 @@ def parse_embedding(body: Any, route: str = "/v1/embeddings") -> EmbeddingReques
     special = body.get("add_special_tokens", not chat)
     if not isinstance(special, bool):
         raise bad_request("'add_special_tokens' must be a boolean", "add_special_tokens")
+    normalize, activation = body.get("normalize"), body.get("use_activation")
+    if activation is not None and not isinstance(activation, bool):
+        raise bad_request("'use_activation' must be a boolean", "use_activation")
+    if route != "/pooling":  # an embedding's activation is its normalization (vLLM's mapping)
+        if normalize is not None and activation is not None and normalize != activation:
+            raise bad_request("'normalize' and 'use_activation' disagree", "use_activation")
+        normalize, activation = (activation if normalize is None else normalize), None
     try:
         params = PoolingParams(
-            normalize=body.get("normalize"),
+            normalize=normalize,
             dimensions=body.get("dimensions"),
-            use_activation=body.get("use_activation"),
+            use_activation=activation,
             task=_pooling_task(body) if route == "/pooling" else "embed",
         )
     except ValueError as e:
@@ -120,7 +175,9 @@ def parse_embedding(body: Any, route: str = "/v1/embeddings") -> EmbeddingReques
         param = next((f for f in ("dimensions", "use_activation") if f in text), "normalize")
         raise bad_request(text, param) from None
     priority = parse_priority(body)
-    return EmbeddingRequest(model, items, fmt, params, truncate, special, priority, chat or None)
+    return EmbeddingRequest(
+        model, items, fmt, params, truncate, special, priority, chat or None, parse_request_id(body)
+    )
 
 
 def _pooling_task(body: dict) -> str | None:
@@ -302,7 +359,7 @@ def serve_embeddings(app: OpenAIApp, h: Handler, route: str = "/v1/embeddings") 
             for i, item in enumerate(req.inputs)
         ]
     pooling = route == "/pooling"
-    rid = f"{'pool' if pooling else 'embd'}-{app.base_request_id(h)}"
+    rid = f"{'pool' if pooling else 'embd'}-{app.base_request_id(h, req.request_id)}"
     outs = run_pooling(app, h, rid, ids, req.params, lora, req.priority)
     key = "data" if pooling else "embedding"
     data = [

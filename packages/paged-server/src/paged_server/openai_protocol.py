@@ -51,6 +51,10 @@ _UNSUPPORTED_UNLESS = {
     "mm_processor_kwargs": (None, {}),
     "prompt_embeds": (None,),  # completions only (_COMPLETION_KEYS)
     "kv_transfer_params": (None,),
+    "ec_transfer_params": (None,),  # encoder-cache disaggregation
+    "return_token_offsets": (None, False),  # vLLM honours it on its /render routes only
+    # the prompt is cut keeping its last truncate_prompt_tokens tokens: the left side
+    "truncation_side": (None, "left"),
 }
 
 _SAMPLING = (

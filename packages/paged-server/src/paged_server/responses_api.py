@@ -349,7 +349,8 @@ def serve_create_response(app: OpenAIApp, h: Handler) -> None:
     for name in ("temperature", "top_p"):  # echo what runs: the model's default if unset
         if name not in chat.sampling and name in app.sampling_defaults:
             req.echo[name] = app.sampling_defaults[name]
-    rid, created = _new_id("resp"), int(time.time())
+    # vLLM's: the body's request_id is the response id as given (its default is "resp_...")
+    rid, created = chat.request_id or _new_id("resp"), int(time.time())
     with responses_params():
         model, lora = app._resolve(chat.model)
         text, ids, reasoning = fit_prompt(app, req)  # truncation "auto" drops old turns

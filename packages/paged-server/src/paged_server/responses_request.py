@@ -30,11 +30,13 @@ if TYPE_CHECKING:
     from paged_server.responses_api import ResponseStore
 
 # fmt: off
-# vLLM's sampling extras of ResponsesRequest (sent by clients' extra_body: the Agents SDK's,
-# pydantic-ai's): passed to the chat request as they are, checked and named there.
+# vLLM's extras of ResponsesRequest (sent by clients' extra_body: the Agents SDK's,
+# pydantic-ai's): passed to the chat request as they are, checked and named there
+# (`request_id` becomes the response's id: responses_api).
 _VLLM_SAMPLING = (
     "top_k", "repetition_penalty", "stop", "ignore_eos", "logit_bias", "skip_special_tokens",
-    "include_stop_str_in_output", "vllm_xargs",
+    "include_stop_str_in_output", "vllm_xargs", "mm_processor_kwargs", "media_io_kwargs",
+    "structured_outputs", "kv_transfer_params", "request_id",
 )
 _FIELDS = frozenset({
     "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "seed",
@@ -46,7 +48,10 @@ _FIELDS = frozenset({
 _IGNORED = frozenset({
     "service_tier", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
     "prompt_cache_options",
+    "chat_template_kwargs",  # vLLM's internal field: it overwrites whatever a client sent
 })
+# vLLM's extras left out, accepted at their defaults only
+_OFF = {"enable_response_messages": (None, False), "previous_input_messages": (None, [])}
 # fmt: on
 _NOT_SUPPORTED = frozenset({"conversation", "prompt", "context_management"})
 # `include` values: the message's logprobs are returned; the others name what built-in tools
@@ -474,6 +479,10 @@ def parse_responses(
             if body[key] is None:  # no value (vLLM's: a null `prompt` is accepted)
                 continue
             raise bad_request(f"parameter '{key}' is not supported by this server", key)
+        if key in _OFF:
+            if body[key] not in _OFF[key]:
+                raise bad_request(f"parameter '{key}' is not supported by this server", key)
+            continue
         if key not in _FIELDS and key not in _IGNORED:
             raise bad_request(f"Unrecognized request argument supplied: {key}", key)
     _check_off(body)

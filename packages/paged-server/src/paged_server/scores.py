@@ -38,8 +38,11 @@ from paged_engine import jina_vl_scoring
 from paged_engine.pooling import PoolingParams, truncation_limit
 from paged_engine.scoring import cosine_scores, cross_encoder_scores, pair_indices, pair_prompt
 from paged_server.embeddings import (
+    POOLING_OFF,
+    check_off,
     list_answer,
     parse_priority,
+    parse_request_id,
     parse_truncate,
     prompt_tokens,
     run_pooling,
@@ -65,7 +68,18 @@ SCORE_SIDES = (
     ("data_1", "data_2"),
     ("text_1", "text_2"),
 )
-_COMMON = frozenset({"model", "user", "truncate_prompt_tokens", "priority", "use_activation"})
+_COMMON = frozenset(
+    {"model", "user", "truncate_prompt_tokens", "priority", "use_activation", "request_id"}
+)
+# vLLM's ScoringRequestMixin fields accepted at their defaults only (POOLING_OFF)
+_SCORE_OFF = (
+    "padding",
+    "truncation_side",
+    "cache_salt",
+    "mm_processor_kwargs",
+    "max_tokens_per_query",
+    "max_tokens_per_doc",
+)
 _SCORE_FIELDS = _COMMON | {name for pair in SCORE_SIDES for name in pair}
 _RERANK_FIELDS = _COMMON | {"query", "documents", "top_n", "return_documents"}
 
@@ -81,16 +95,22 @@ class ScoreRequest:
     top_n: int = 0  # rerank: the best k results; 0 = all
     return_documents: bool = True
     use_activation: bool | None = None
+    request_id: str | None = None
 
 
-def check_fields(body: Any, allowed: frozenset[str], route: str) -> dict:
-    """A pooling route's body: an object of `allowed` fields, `model` a string and
-    `use_activation` a boolean when given (400 naming the first bad one)."""
+def check_fields(
+    body: Any, allowed: frozenset[str], route: str, off: tuple[str, ...] = _SCORE_OFF
+) -> dict:
+    """A pooling route's body: an object of `allowed` fields (and of `off` ones at their
+    defaults, POOLING_OFF), `model` a string and `use_activation` a boolean when given (400
+    naming the first bad one)."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
-    unknown = sorted(set(body) - allowed)
+    assert set(off) <= set(POOLING_OFF)
+    unknown = sorted(set(body) - allowed - set(off))
     if unknown:
         raise bad_request(f"parameter '{unknown[0]}' is not supported by {route}", unknown[0])
+    check_off(body, off)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad_request("'model' must be a string", "model")
@@ -148,6 +168,7 @@ def parse_score(body: Any, images: bool = False) -> ScoreRequest:
         parse_truncate(body),
         parse_priority(body),
         use_activation=body.get("use_activation"),
+        request_id=parse_request_id(body),
     )
 
 
@@ -179,6 +200,7 @@ def parse_rerank(body: Any, images: bool = False) -> ScoreRequest:
         top_n,
         keep,
         body.get("use_activation"),
+        parse_request_id(body),
     )
 
 
@@ -291,7 +313,7 @@ def _loaded(app: OpenAIApp, req: ScoreRequest) -> dict[tuple[int, int], dict]:
 
 def serve_score(app: OpenAIApp, h: Handler) -> None:
     req = parse_score(h.read_json(), app.images is not None)
-    rid = f"score-{app.base_request_id(h)}"
+    rid = f"score-{app.base_request_id(h, req.request_id)}"
     model, scored, num_tokens = _scores(app, h, req, rid)
     data = [{"index": i, "object": "score", "score": s.outputs.score} for i, s in enumerate(scored)]
     h.send_json(200, list_answer(rid, model, data, num_tokens, completion_tokens=0))
@@ -299,7 +321,7 @@ def serve_score(app: OpenAIApp, h: Handler) -> None:
 
 def serve_rerank(app: OpenAIApp, h: Handler) -> None:
     req = parse_rerank(h.read_json(), app.images is not None)
-    rid = f"rerank-{app.base_request_id(h)}"
+    rid = f"rerank-{app.base_request_id(h, req.request_id)}"
     model, scored, num_tokens = _scores(app, h, req, rid)
     results = []
     for i, s in enumerate(scored):

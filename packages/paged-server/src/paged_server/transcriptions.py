@@ -43,6 +43,7 @@ file over VLLM_MAX_AUDIO_CLIP_FILESIZE_MB (25), any field not listed above.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -81,7 +82,7 @@ _NUMBERS = {
 }
 _FLAGS = ("stream", "stream_include_usage", "stream_continuous_usage_stats")
 _TEXTS = ("model", "language", "prompt", "response_format", "to_language")
-_FIELDS = frozenset({"file", _GRANULARITIES, *_NUMBERS, *_FLAGS, *_TEXTS})
+_FIELDS = frozenset({"file", _GRANULARITIES, "vllm_xargs", *_NUMBERS, *_FLAGS, *_TEXTS})
 _PARAM = re.compile(r"(\w+)\s*[:=]")  # a host-side ValueError starts with what it names
 _OVERLAP_S = 1.0  # the split point is sought in each window's last second (vLLM's)
 _QUIET_S = 0.1  # energy is measured over 0.1 s stretches (vLLM's 1600 samples at 16 kHz)
@@ -160,7 +161,29 @@ def parse_speech(form: dict[str, list[Part]], task: str) -> SpeechRequest:
     numbers = {k: _number(values[k], k, *spec) for k, spec in _NUMBERS.items() if k in values}
     req.max_tokens = numbers.pop("max_completion_tokens", None)
     req.sampling = {"temperature": 0.0, **numbers}  # vLLM's default temperature here: 0
+    xargs = _xargs(values.get("vllm_xargs"))
+    if xargs:
+        req.sampling["extra_args"] = xargs
     return req
+
+
+def _xargs(text: str | None) -> dict[str, Any] | None:
+    """vLLM's `vllm_xargs` form field: a JSON object of strings and numbers, handed to
+    SamplingParams.extra_args (for custom sampling code and plugins)."""
+    if text is None or not text.strip():
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    ok = isinstance(value, dict) and all(
+        isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in value.values()
+    )
+    if not ok:
+        raise bad_request(
+            "'vllm_xargs' must be a JSON object mapping names to strings or numbers", "vllm_xargs"
+        )
+    return value
 
 
 def _flag(values: dict[str, str], name: str) -> bool:

@@ -56,7 +56,7 @@ _FIELDS = frozenset(
     }
 )
 # vLLM's chat form of the body: `messages` (and what renders them) instead of `input`
-_CHAT_FIELDS = frozenset(
+CHAT_FIELDS = frozenset(
     {
         "messages",
         "chat_template",
@@ -129,7 +129,7 @@ _POOLING_TASKS = ("embed", "classify", "token_embed", "token_classify")
 def parse_embedding(body: Any, route: str = "/v1/embeddings") -> EmbeddingRequest:
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
-    known = (_POOLING_FIELDS if route == "/pooling" else _FIELDS) | _CHAT_FIELDS
+    known = (_POOLING_FIELDS if route == "/pooling" else _FIELDS) | CHAT_FIELDS
     unknown = sorted(set(body) - known - set(_EMBED_OFF))
     if unknown:
         raise bad_request(f"parameter '{unknown[0]}' is not supported by {route}", unknown[0])
@@ -137,13 +137,7 @@ def parse_embedding(body: Any, route: str = "/v1/embeddings") -> EmbeddingReques
     if model is not None and not isinstance(model, str):
         raise bad_request("'model' must be a string", "model")
     check_off(body, _EMBED_OFF)
-    chat = {k: body[k] for k in _CHAT_FIELDS if k in body}
-    if chat.get("mm_processor_kwargs", 1) in POOLING_OFF["mm_processor_kwargs"]:
-        del chat["mm_processor_kwargs"]  # (vLLM's input form has it too: asks for nothing)
-    if chat and "messages" not in chat:
-        raise bad_request(f"'{next(iter(chat))}' goes with 'messages'", next(iter(chat)))
-    if chat and "input" in body:
-        raise bad_request("send either 'input' or 'messages', not both", "messages")
+    chat = chat_fields(body)
     items = [] if chat else inputs(body.get("input"))
     fmt = body.get("encoding_format", "float")
     if fmt is None:
@@ -176,8 +170,35 @@ def parse_embedding(body: Any, route: str = "/v1/embeddings") -> EmbeddingReques
         raise bad_request(text, param) from None
     priority = parse_priority(body)
     return EmbeddingRequest(
-        model, items, fmt, params, truncate, special, priority, chat or None, parse_request_id(body)
+        model, items, fmt, params, truncate, special, priority, chat, parse_request_id(body)
     )
+
+
+def chat_fields(body: dict) -> dict[str, Any] | None:
+    """vLLM's chat form of a pooling body: its `messages` and the fields that render them
+    (CHAT_FIELDS), or None for the `input` form. A chat field without `messages`, or
+    `messages` beside `input`, is a 400 naming it."""
+    chat = {k: body[k] for k in CHAT_FIELDS if k in body}
+    if chat.get("mm_processor_kwargs", 1) in POOLING_OFF["mm_processor_kwargs"]:
+        del chat["mm_processor_kwargs"]  # (vLLM's input form has it too: asks for nothing)
+    if chat and "messages" not in chat:
+        raise bad_request(f"'{next(iter(chat))}' goes with 'messages'", next(iter(chat)))
+    if chat and "input" in body:
+        raise bad_request("send either 'input' or 'messages', not both", "messages")
+    return chat or None
+
+
+def chat_input(
+    app: OpenAIApp, chat: dict[str, Any], add_special_tokens: bool, truncate: int | None
+) -> list[int] | dict:
+    """The chat form's one pooled input: the conversation as the chat template renders it
+    (no generation prompt unless asked), its ids checked and truncated as `input`'s are, or
+    an engine prompt with its processed images."""
+    req = parse_chat({"add_generation_prompt": False, **chat}, images=app.takes_media)
+    one = chat_prompt(app, req, add_special_tokens, truncate)
+    if isinstance(one, list):  # no media: checked and truncated as token ids
+        one = prompt_tokens(app, one, "messages", truncate)
+    return one
 
 
 def _pooling_task(body: dict) -> str | None:
@@ -345,12 +366,8 @@ def serve_embeddings(app: OpenAIApp, h: Handler, route: str = "/v1/embeddings") 
     req = parse_embedding(h.read_json(), route)
     model, lora = app._resolve(req.model)  # an adapter name: the engine pools with it
     ids: list[list[int] | dict]
-    if req.chat is not None:  # one input: the conversation as the chat template renders it
-        chat = parse_chat({"add_generation_prompt": False, **req.chat}, images=app.takes_media)
-        one = chat_prompt(app, chat, req.add_special_tokens, req.truncate_prompt_tokens)
-        if isinstance(one, list):  # no media: checked and truncated as token ids
-            one = prompt_tokens(app, one, "messages", req.truncate_prompt_tokens)
-        ids = [one]
+    if req.chat is not None:
+        ids = [chat_input(app, req.chat, req.add_special_tokens, req.truncate_prompt_tokens)]
     else:
         ids = [
             prompt_tokens(

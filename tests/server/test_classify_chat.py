@@ -71,6 +71,14 @@ def test_chat_form_classifies_the_rendered_prompt(clf, path, generation) -> None
         assert classify(clf, inp, path)["data"] == r["data"], inp
 
 
+def test_invocations_classify_a_chat_on_a_pooling_only_engine(clf) -> None:
+    """vLLM's /invocations tries the engine's tasks: a classifier has no chat completions, so
+    a `messages` body is /classify's chat form."""
+    body = {"messages": MESSAGES}
+    got, want = classify(clf, body, "/invocations"), classify(clf, body)
+    assert got["data"] == want["data"] and got["usage"] == want["usage"]
+
+
 def test_chat_form_options_match_the_input_form(clf) -> None:
     text, ids = rendered(clf, MESSAGES)
     # add_special_tokens: true puts BOS before the template's text, as `input` does by default

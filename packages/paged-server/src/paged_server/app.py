@@ -134,6 +134,7 @@ class OpenAIApp:
         prompt_embeds_width: int | None = None,
         max_logprobs: int = 20,
         encoder_decoder: bool = False,
+        generates: bool = True,
     ):
         # vLLM's server flags: usage.prompt_tokens_details.cached_tokens; the default of the
         # return_tokens_as_token_ids field; the role of chat answers; log each request (its
@@ -151,6 +152,8 @@ class OpenAIApp:
         # A *ForSequenceClassification model's labels and activations (it serves /classify and,
         # with one label, cross-encoder /score and /rerank; no generation)
         self.classifier = classifier
+        # False on a pooling-only engine (no "generate" task): /invocations then pools chats
+        self.generates = generates
         self.force_include_usage = force_include_usage  # streams end with usage, always
         # vLLM's --enable-server-load-tracking: GET /load counts the POSTs being answered
         self.load_tracking = load_tracking
@@ -646,13 +649,15 @@ class OpenAIApp:
 
     def invocations(self, h: Handler) -> None:
         """SageMaker's `POST /invocations`: the body is one of the other APIs', told by its
-        fields: `messages` chat, `prompt` completions, `query` + `documents` rerank, score's
-        sides score, `input` classify (a classifier) or embeddings."""
+        fields (vLLM's order of the engine's tasks): `messages` chat, or on a pooling-only
+        engine the chat form of classify (a classifier) or embeddings; `prompt` completions;
+        `query` + `documents` rerank; score's sides score; `input` classify or embeddings."""
         body = h.read_json()  # the route chosen reads it again (Handler caches it)
         if not isinstance(body, dict):
             raise bad_request("the request body must be a JSON object")
+        pool = self.classify if self.classifier is not None else self.embeddings
         if "messages" in body:
-            route = self.chat
+            route = self.chat if self.generates else pool
         elif "prompt" in body:
             route = self.completions
         elif "query" in body and "documents" in body:
@@ -660,7 +665,7 @@ class OpenAIApp:
         elif any(a in body and b in body for a, b in SCORE_SIDES):
             route = self.score
         elif "input" in body:
-            route = self.classify if self.classifier is not None else self.embeddings
+            route = pool
         else:
             raise bad_request(
                 "/invocations takes a chat ('messages'), completion ('prompt'), embedding or "

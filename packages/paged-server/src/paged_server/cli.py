@@ -127,6 +127,12 @@ def _lora_config(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _generates(engine: Any) -> bool:
+    """Whether the engine runs the "generate" task (vLLM's get_supported_tasks)."""
+    tasks = getattr(engine, "get_supported_tasks", None)
+    return tasks is None or "generate" in tasks()
+
+
 def build_app(args: argparse.Namespace, engine: Any) -> tuple[EngineClient, OpenAIApp]:
     """The engine loop (not started yet) and the routes over it.
 
@@ -181,6 +187,7 @@ def build_app(args: argparse.Namespace, engine: Any) -> tuple[EngineClient, Open
         log_requests=_log_requests(args),
         log_outputs=_log_cut(args) if args.enable_log_outputs else None,
         classifier=getattr(engine, "classifier", None),
+        generates=_generates(engine),
         force_include_usage=args.enable_force_include_usage,
         load_tracking=args.enable_server_load_tracking,
         # the model's image processor (None: a text model, or served text-only)

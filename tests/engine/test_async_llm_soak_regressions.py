@@ -95,6 +95,8 @@ def test_a_request_too_big_for_the_pool_fails_with_valueerror_during_a_wait_paus
     try:
         error = asyncio.run(main())
         assert isinstance(error, ValueError) and "max_tokens" in str(error), error
+        # the pool's allocatable blocks, as paged-server's answer counts them
+        assert f"({engine.engine.block_manager.num_total_blocks} blocks)" in str(error)
         assert not engine._streams
     finally:
         engine.shutdown()

@@ -38,7 +38,11 @@ def test_a_request_too_big_for_the_kv_pool_fails_alone(tiny_model: str) -> None:
             status, payload = results["big"]
             assert status == 400, payload
             assert payload["error"]["param"] == "max_tokens"
-            assert "KV-cache blocks" in payload["error"]["message"]
+            held = f"({engine.block_manager.num_total_blocks} blocks)"  # what /metrics counts
+            assert (
+                "KV-cache blocks" in payload["error"]["message"]
+                and held in payload["error"]["message"]
+            )
             status, payload = results["small"]
             assert status == 200, payload
             assert payload["usage"]["completion_tokens"] == 60

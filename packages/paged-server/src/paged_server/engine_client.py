@@ -441,8 +441,7 @@ class EngineClient:
             self._fail_all(APIError(500, "internal engine error"))
             return
         log.warning("%s: failing %s", e, ", ".join(e.request_ids))
-        total = getattr(self.stats, "num_total_blocks", None)
-        err = bad_request(e.culprit_message(total), "max_tokens")
+        err = bad_request(e.culprit_message(), "max_tokens")
         self._fail(e.request_ids, err)
         self._abort_in_engine(e.request_ids)  # free it even if its stream was already gone
 

@@ -71,16 +71,17 @@ _RUNNING = SequenceStatus.RUNNING
 
 class SchedulerStuckError(RuntimeError):
     """No step can be scheduled. `request_ids`: the requests that cannot fit even with the
-    whole pool to themselves (abort them and the rest can go on); [] when unknown."""
+    whole pool to themselves (abort them and the rest can go on); [] when unknown.
+    `num_blocks`: the pool's allocatable blocks when it was raised."""
 
-    def __init__(self, message: str, request_ids: list[str]):
+    def __init__(self, message: str, request_ids: list[str], num_blocks: int | None = None):
         super().__init__(message)
         self.request_ids = request_ids
+        self.num_blocks = num_blocks
 
-    @staticmethod
-    def culprit_message(num_blocks: int | None) -> str:
+    def culprit_message(self) -> str:
         """What a named request's client is told (its `max_tokens` is the parameter to name)."""
-        held = f" ({num_blocks} blocks)" if num_blocks else ""
+        held = f" ({self.num_blocks} blocks)" if self.num_blocks else ""
         return (
             f"the request's sequences need more KV-cache blocks than the pool holds{held}; "
             "lower 'n' / 'best_of' or 'max_tokens'"
@@ -404,6 +405,7 @@ class Scheduler(SeqLifecycle, Preemption, PrefixLookup, StepEmitter, LoneSteps):
             "holds, or more tokens/sequences in one step than max_num_batched_tokens / "
             f"max_num_seqs allow ({len(self.running)} running, {len(self.waiting)} waiting)",
             culprits,
+            self.block_manager.num_total_blocks,
         )
 
     def _with_drafts(

@@ -496,8 +496,7 @@ class AsyncLLM:
             stream.put(error)
 
     def _too_big(self, e: SchedulerStuckError) -> ValueError:
-        num_blocks = self.engine.block_manager.pool.num_blocks - 1  # (less the null block)
-        error = ValueError(f"max_tokens: {e.culprit_message(num_blocks)}")
+        error = ValueError(f"max_tokens: {e.culprit_message()}")
         error.__cause__ = e
         return error
 

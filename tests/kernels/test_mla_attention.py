@@ -11,6 +11,10 @@ from test_attention import make_batch
 from paged_kernels import mla_attention, ref_mla_attention
 
 TOL = {torch.float32: 2e-3, torch.float16: 1e-2, torch.bfloat16: 3e-2}
+# Outputs (averages of randn values) reach |o| >= 4 on some seeds, where one bf16 ulp (2^-5)
+# exceeds 3e-2: a relative part of 1e-2 (> 2^-7, an ulp's relative size) covers one rounding
+# step (the interpreter truncates). A wrong scale or key moves outputs by O(0.1-1).
+RTOL = {torch.bfloat16: 1e-2}
 
 
 def _check(q_lens, ctx_lens, *, heads, latent, rope, block_size, dtype, device, **kw):
@@ -33,7 +37,9 @@ def _check(q_lens, ctx_lens, *, heads, latent, rope, block_size, dtype, device, 
     assert got is out
     assert not got[..., :latent].isnan().any()
     assert got[..., latent:].isnan().all()  # never written
-    torch.testing.assert_close(got[..., :latent].float(), want.float(), atol=TOL[dtype], rtol=0)
+    torch.testing.assert_close(
+        got[..., :latent].float(), want.float(), atol=TOL[dtype], rtol=RTOL.get(dtype, 0.0)
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -87,7 +93,7 @@ def test_fp8_latent_cache(seed, device, cache_dtype):
     args = (b.q, cache, b.block_tables, b.cu_seqlens_q, b.seq_lens, 40**-0.5)
     got = mla_attention(*args, latent_dim=32, max_seqlen_q=b.max_seqlen_q, k_scale=0.5)
     want = ref_mla_attention(*args, latent_dim=32, k_scale=0.5)
-    torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=0)
+    torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=RTOL[torch.bfloat16])
 
 
 @pytest.mark.parametrize("num_splits", [2, 3, 7])

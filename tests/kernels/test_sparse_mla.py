@@ -15,6 +15,9 @@ from paged_kernels import (
 )
 
 TOL = {torch.float32: 2e-3, torch.bfloat16: 3e-2}
+# |o| >= 4 (a few keys of randn values) puts one bf16 ulp (2^-5) past 3e-2: a relative part
+# of 1e-2 (> 2^-7, an ulp's relative size) covers one rounding step.
+RTOL = {torch.bfloat16: 1e-2}
 
 
 def _cache(num_blocks: int, block_size: int, width: int, dtype, device) -> torch.Tensor:
@@ -50,7 +53,9 @@ def test_sparse_attention_matches_reference(seed, device, dtype, heads, latent, 
     assert got is out
     if rope:
         assert got[..., latent:].isnan().all()
-    torch.testing.assert_close(got[..., :latent].float(), want.float(), atol=TOL[dtype], rtol=0)
+    torch.testing.assert_close(
+        got[..., :latent].float(), want.float(), atol=TOL[dtype], rtol=RTOL.get(dtype, 0.0)
+    )
 
 
 def test_sinks_and_rows_without_keys(seed, device):
@@ -77,7 +82,7 @@ def test_deepseek_v32_widths_fp8(seed, device):
     kw = {"latent_dim": 512, "k_scale": 0.5}
     got = sparse_mla_attention(q, cache, indices, 576**-0.5, **kw)
     want = ref_sparse_mla_attention(q, cache, indices, 576**-0.5, **kw)
-    torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=0)
+    torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=RTOL[torch.bfloat16])
 
 
 @pytest.mark.parametrize(

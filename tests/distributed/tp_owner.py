@@ -20,11 +20,17 @@ import sys
 import time
 from multiprocessing import forkserver
 
-from paged_engine import LLM, SamplingParams
-from paged_engine.executor.base import EngineDeadError
+from paged_engine.distributed.launch import forkserver_context
 
 
 def main() -> None:
+    # The engine's own forkserver (the engine finds it running), started before the engine's
+    # imports so that its preload runs beside them, not after them. Those imports stay in
+    # here: each rank imports this file again as its `__mp_main__`.
+    forkserver_context()
+    from paged_engine import LLM, SamplingParams
+    from paged_engine.executor.base import EngineDeadError
+
     model, mode = sys.argv[1], sys.argv[2]
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test's dump of a hang
     # Ctrl-C's handler, as in a terminal: a process started from a background job (`cmd &` in a

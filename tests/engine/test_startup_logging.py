@@ -51,12 +51,38 @@ def test_llm_logs_each_stage_at_info_by_default(tiny_llama_dir: Path) -> None:
     assert "INFO" in r.stderr
 
 
+# One interpreter imports the engine once, then forks a child for each way of leaving logging
+# alone (the choice is made at LLM(), from the environment and the root logger as they are
+# then): PAGED_CONFIGURE_LOGGING=0, and logging configured by the application first.
+FORKED = """import logging, os, sys, traceback
+from paged_engine import LLM
+for told in (True, False):
+    print("=== told" if told else "=== configured", file=sys.stderr, flush=True)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            if told:
+                os.environ["PAGED_CONFIGURE_LOGGING"] = "0"
+            else:
+                logging.basicConfig(level="WARNING")
+            LLM({model!r}, dtype="float32", max_model_len=64, num_gpu_blocks_override=8)
+        except BaseException:
+            traceback.print_exc()
+            os._exit(1)
+        sys.stderr.flush()
+        os._exit(0)
+    print("=== exit", os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), file=sys.stderr)
+"""
+
+
 def test_llm_leaves_logging_alone_when_told_or_configured(tiny_llama_dir: Path) -> None:
-    r = _run(SCRIPT.format(model=str(tiny_llama_dir)), PAGED_CONFIGURE_LOGGING="0")
-    assert r.returncode == 0 and "resolving model" not in r.stderr, r.stderr
-    configured = "import logging; logging.basicConfig(level='WARNING')\n"
-    r = _run(configured + SCRIPT.format(model=str(tiny_llama_dir)))
-    assert r.returncode == 0 and "resolving model" not in r.stderr, r.stderr
+    r = _run(FORKED.format(model=str(tiny_llama_dir)))
+    assert r.returncode == 0, r.stderr
+    runs = r.stderr.split("=== ")[1:]
+    assert [run.split(None, 1)[0] for run in runs] == ["told", "exit", "configured", "exit"]
+    for output, exit_line in zip(runs[::2], runs[1::2]):
+        assert exit_line.split()[1] == "0", r.stderr
+        assert "resolving model" not in output, r.stderr
 
 
 def _slow(n: int, pause: float):

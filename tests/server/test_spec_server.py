@@ -13,6 +13,8 @@ import time
 import pytest
 from server_proc import REAL_ARGS, ServerProc, launch, parse_metrics
 
+from paged_server.cli import parse_args, start_engine
+
 openai = pytest.importorskip("openai")
 
 PROMPTS = ["one two three one two three one two", "a b a b a b a b a b", "Hello, my name is"]
@@ -134,17 +136,24 @@ def _settled_metrics(server) -> str:
         last = text
 
 
-def test_bad_speculative_config_fails_at_start(tiny_model):
+def test_bad_speculative_config_fails_at_start(tiny_model, capsys):
+    # The command itself: a config that is not JSON stops it at the flags (exit code 2, before
+    # the engine's imports). The engine's refusals, through the same start_engine the command
+    # runs (its exit code 2 for them: test_cli.py's --trust-remote-code refusal): a fresh
+    # interpreter importing torch and the engine for each would only repeat that.
+    r = subprocess.run(
+        [sys.executable, "-m", "paged_server", "--model", tiny_model, "--port", "0",
+         "--speculative-config", "{not json"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 2 and "not JSON" in r.stderr, r.stderr[-2000:]
     cases = (
-        ("{not json", "not JSON"),
         ('{"method": "dflash", "num_speculative_tokens": 2}', "not supported"),
         ('{"method": "suffix", "suffix_decoding_min_token_prob": 2}', "min_token_prob must be"),
         ('{"method": "eagle"}', "speculative_config.model must name"),  # a head to run
     )
     for bad, needle in cases:
-        r = subprocess.run(
-            [sys.executable, "-m", "paged_server", "--model", tiny_model, "--port", "0",
-             "--speculative-config", bad],
-            capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
-        assert r.returncode == 2 and needle in r.stderr, r.stderr[-2000:]
+        args = parse_args(["--model", tiny_model, "--port", "0", "--speculative-config", bad])
+        assert start_engine(args, "paged-server") is None
+        err = capsys.readouterr().err
+        assert "paged-server: cannot start the engine: " in err and needle in err, err

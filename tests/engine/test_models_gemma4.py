@@ -55,8 +55,11 @@ def test_head_size_512_runs_in_the_triton_kernel(tmp_path):
     """The released models' full layers hold 512-wide heads: the Triton backend (interpreted
     here) takes them and gives the CPU backend's tokens and logprobs, prompts in chunks."""
     path = write_tiny_model(tmp_path, "gemma4", seed=1, global_head_dim=512)
-    prompts = [p[:20] for p in random_token_prompts(5, 2)]
-    kw = {"model": str(path), "max_model_len": 64, "max_num_batched_tokens": 16}
+    # 12 + 12 tokens over a 16-token budget: the second prompt in two chunks, both past the
+    # sliding window (8) and over two 8-token blocks, the last one partial; the interpreter
+    # runs a program per token and head of every launch
+    prompts = [p[:12] for p in random_token_prompts(5, 2)]
+    kw = {"model": str(path), "max_model_len": 64, "max_num_batched_tokens": 16, "block_size": 8}
     cpu, triton = (engine_greedy(prompts, 3, attention_backend=b, **kw) for b in ("cpu", "triton"))
     assert_same_greedy(cpu, triton)
 

@@ -327,8 +327,9 @@ def test_graph_decode_matches_eager_triton_split_kv(tiny_llama_dir, monkeypatch,
     assert graphs.sizes == {1: [1, 2, 3]} and set(splits) == {2}  # captured with split-KV
     seen = _check_against_eager(engine, graphs, tol=1e-4 if on_gpu else 1e-5)
     rng = random.Random(1)
-    for i, max_tokens in enumerate([2, 3, 5]):
-        prompt = [rng.randrange(3, 200) for _ in range(rng.randint(10, 20))]
+    for i, max_tokens in enumerate([2, 3, 5]):  # decode batches of 3, 2 and 1 rows
+        # short prompts: the prefill runs twice in the interpreter (eager, then checked)
+        prompt = [rng.randrange(3, 200) for _ in range(rng.randint(4, 8))]
         engine.add_request(f"t{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0))
     while engine.has_unfinished_requests():
         engine.step()
@@ -457,7 +458,8 @@ def test_graph_verify_matches_eager_triton(tiny_llama_dir, monkeypatch, request)
     on_gpu = torch.cuda.is_available()
     if not on_gpu:
         request.getfixturevalue("fake_cuda_graphs")
-    options = dict(attention_backend="triton", max_num_seqs=5, device="cuda" if on_gpu else "cpu")
+    # max_num_seqs=4: buckets 1, 2, 4 (each captured graph is a full forward in the interpreter)
+    options = dict(attention_backend="triton", max_num_seqs=4, device="cuda" if on_gpu else "cpu")
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 200) for _ in range(rng.randint(3, 12))] for _ in range(3)]
     max_tokens = [6, 9, 12]
@@ -470,7 +472,7 @@ def test_graph_verify_matches_eager_triton(tiny_llama_dir, monkeypatch, request)
     else:
         graphs = _attach_graphs(engine, verify_len=SPEC_K + 1)
         assert _Capture.syncs == []  # no host reads in the q = 3 graphs either
-    assert graphs.sizes == {1: [1, 2, 4, 5], 3: [1, 2, 4, 5]}
+    assert graphs.sizes == {1: [1, 2, 4], 3: [1, 2, 4]}
     tol = 1e-4 if on_gpu else 1e-5
     seen = _check_against_eager(engine, graphs, tol=tol, query_lens=(1, SPEC_K + 1))
     got = _greedy(engine, prompts, max_tokens)
@@ -915,7 +917,9 @@ def test_graph_decode_with_lora_adapters_matches_eager(tiny_llama_dir, fake_cuda
     from paged_engine import LoRARequest
     from paged_engine.testing import write_lora_adapter
 
-    engine = _engine(tiny_llama_dir, enable_lora=True, max_loras=2, max_lora_rank=4)
+    # buckets 1, 2, 4, 6 (each capture runs the interpreter's kernels): 3 and 5 rows are padded
+    lora = dict(enable_lora=True, max_loras=2, max_lora_rank=4, max_num_seqs=6)
+    engine = _engine(tiny_llama_dir, **lora)
     mapping = engine.model_runner.lora.model.mapping
     mapping.use_kernels = True  # the CUDA path, on CPU tensors
     seen = _check_against_eager(engine, _attach_graphs(engine), tol=1e-4)
@@ -943,7 +947,7 @@ def test_graph_decode_with_lora_adapters_matches_eager(tiny_llama_dir, fake_cuda
     assert len(seen["sizes"]) >= 3 and seen["eager_steps"] >= 1
     assert (mapping.token_idx.data_ptr(), mapping.seg_start.data_ptr()) == static
     # The tokens of an engine without graphs, whose LoRA runs in torch.
-    plain = _engine(tiny_llama_dir, enable_lora=True, max_loras=2, max_lora_rank=4)
+    plain = _engine(tiny_llama_dir, **lora)
     assert got == run(plain)
 
 

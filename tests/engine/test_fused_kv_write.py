@@ -31,29 +31,35 @@ def test_rope_kernel_writes_the_kv_cache(tiny_model_factory, monkeypatch, arch, 
     monkeypatch.setattr(TritonBackend, "write_kv", counted)
     rng = random.Random(5)
     # Each token is a program of every kernel launch in the interpreter: few, short prompts.
-    # 12 + 10 + 6 tokens over a 16-token budget: prompt 1 is chunked (4 tokens, then 6); 12
-    # and 10 tokens pass Gemma 3's 8-token sliding window.
-    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (12, 10, 6)]
-    prompts.append(prompts[0][:8] + [7, 8, 9])  # a prefix hit on prompt 0's first block
+    # 6 + 5 + 3 tokens over an 8-token budget: prompt 1 is chunked (2 tokens, then 3); 6 and
+    # 5 tokens pass Gemma 3's sliding window (4 here).
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (6, 5, 3)]
+    prompts.append(prompts[0][:4] + [7, 8, 9])  # a prefix hit on prompt 0's first block
     # Gemma 3 with one layer of each kind (the tiny model's default has three): launches per
     # step are the interpreter's cost
-    two_layers = {"num_hidden_layers": 2, "layer_types": ["sliding_attention", "full_attention"]}
-    kw = dict(
-        model=str(tiny_model_factory(arch, **(two_layers if arch == "gemma3" else {}))),
+    gemma3 = {
+        "num_hidden_layers": 2,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "sliding_window": 4,
+    }
+    # One engine serves both runs (the backend reads rope_writes_kv at every forward), so the
+    # fp8 scales are calibrated once and both runs use the same.
+    llm = LLM(
+        model=str(tiny_model_factory(arch, **(gemma3 if arch == "gemma3" else {}))),
         dtype="float32",
         attention_backend="triton",
         kv_cache_dtype=kv_cache_dtype,
         max_model_len=64,
-        max_num_batched_tokens=16,
-        block_size=8,
+        max_num_batched_tokens=8,
+        block_size=4,
         enable_prefix_caching=True,
     )
     params = SamplingParams(temperature=0, max_tokens=3, logprobs=3, ignore_eos=True)
     runs = {}
     for fused in (True, False):
         monkeypatch.setattr(TritonBackend, "rope_writes_kv", fused)
+        assert llm.reset_prefix_cache()  # the second run computes every block again
         writes.clear()
-        llm = LLM(**kw)
         # three prompts in one batch, then the one that hits prompt 0's cached blocks
         first = [{"prompt_token_ids": p} for p in prompts[:3]]
         outs = llm.generate(first, params, use_tqdm=False)
@@ -61,5 +67,5 @@ def test_rope_kernel_writes_the_kv_cache(tiny_model_factory, monkeypatch, arch, 
         runs[fused] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
         assert outs[-1].num_cached_tokens > 0
         assert bool(writes) != fused, f"{len(writes)} write launches (fused={fused})"
-        llm.llm_engine.shutdown()
+    llm.llm_engine.shutdown()
     assert runs[True] == runs[False]

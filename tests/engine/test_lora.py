@@ -65,9 +65,9 @@ def llama_setup(tiny_model_factory, tmp_path_factory):
     return model, llm, loras, refs
 
 
-def _check(outs, ids, refs, abs_tol=1e-3):
+def _check(outs, ids, refs, abs_tol=1e-3, max_tokens=GREEDY.max_tokens):
     for out, lora_id in zip(outs, ids, strict=True):
-        ref = hf_greedy(refs[lora_id], out.prompt_token_ids, GREEDY.max_tokens)
+        ref = hf_greedy(refs[lora_id], out.prompt_token_ids, max_tokens)
         got = out.outputs[0]
         assert got.token_ids == ref.tokens, f"adapter {lora_id}: greedy tokens differ from HF"
         lps = [entry[t].logprob for entry, t in zip(got.logprobs, got.token_ids)]
@@ -126,13 +126,15 @@ def test_triton_kernels_give_the_torch_paths_tokens(llama_setup):
     try:
         prompts = _prompts(3, seed=13, lo=3, hi=9)
         ids = [2, None, 3]
+        # 4 tokens: a mixed prefill and 3 decode steps, each slow in the interpreter
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=1)
         outs = llm.generate(
-            prompts, GREEDY, lora_request=[loras.get(i) for i in ids], use_tqdm=False
+            prompts, params, lora_request=[loras.get(i) for i in ids], use_tqdm=False
         )
     finally:
         mapping.use_kernels = False
         mapping.set(np.full(0, -1, dtype=np.int64))
-    _check(outs, ids, refs)
+    _check(outs, ids, refs, max_tokens=4)
 
 
 def test_more_adapters_than_max_loras_take_turns(llama_setup):

@@ -96,8 +96,9 @@ def run_and_compare(b: Batch, *, num_splits: int | None = None, **kw) -> torch.T
     return out
 
 
-# (q_lens, ctx_lens): decode rows, a fresh prefill, chunked-prefill rows, a lone long decode.
-MIXED = ([1, 37, 1, 130, 3, 1], [90, 0, 700, 40, 1, 2])
+# (q_lens, ctx_lens): decode rows, a fresh prefill, chunked-prefill rows (70: two 64-row
+# prefill tiles, the second partial), a lone long decode (19 blocks of 16, the last partial).
+MIXED = ([1, 37, 1, 70, 3, 1], [90, 0, 300, 40, 1, 2])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -157,12 +158,16 @@ FEATURES = {
 }
 
 
+# A 30-row chunk at positions 70..99 crosses the chunk boundary at 96; the 37-key window cuts
+# its rows, both windows the long decode rows.
+FEATURES_BATCH = ([1, 30, 1, 9], [300, 70, 5, 180])
+
+
 @pytest.mark.parametrize("feature", list(FEATURES))
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_window_softcap_alibi(seed, device, feature, num_splits):
     b = make_batch(
-        [1, 45, 1, 9],
-        [300, 70, 5, 180],
+        *FEATURES_BATCH,
         num_heads=4,
         num_kv_heads=2,
         head_dim=64,
@@ -298,8 +303,9 @@ def make_key_ends(
     return torch.cat(ends).to(device=device, dtype=dtype)
 
 
-# Decode rows, a fresh prefill longer than a query tile, chunked prefills with context.
-KEY_ENDS_BATCH = ([1, 70, 1, 40, 6], [50, 0, 30, 25, 3])
+# Decode rows, a fresh prefill longer than a query tile (at most 32 rows in these tests),
+# chunked prefills with context.
+KEY_ENDS_BATCH = ([1, 40, 1, 40, 6], [50, 0, 30, 25, 3])
 
 KEY_ENDS_FEATURES = {
     "plain": {},
@@ -353,10 +359,11 @@ def test_key_ends_mixed_batch(seed, device, dtype, num_heads, num_kv_heads, bloc
     + [(f, 2) for f in ("plain", "window_small", "chunk", "sinks")],  # forced split-KV
 )
 def test_key_ends_window_chunk_sinks_splits(seed, device, feature, num_splits):
+    # GQA 2 on one KV head: split-KV's merge runs one program per (token, head).
     b = make_batch(
         *KEY_ENDS_BATCH,
-        num_heads=4,
-        num_kv_heads=2,
+        num_heads=2,
+        num_kv_heads=1,
         head_dim=32,
         block_size=16,
         dtype=torch.float32,
@@ -364,9 +371,9 @@ def test_key_ends_window_chunk_sinks_splits(seed, device, feature, num_splits):
     )
     kw = dict(KEY_ENDS_FEATURES[feature])
     if kw.get("sinks") == "random":
-        kw["sinks"] = torch.randn(4, device=device) + 2.0
+        kw["sinks"] = torch.randn(2, device=device) + 2.0
     if kw.get("alibi_slopes") == "alibi":
-        kw["alibi_slopes"] = alibi_slopes(4).to(device)
+        kw["alibi_slopes"] = alibi_slopes(2).to(device)
     compare_key_ends(b, make_key_ends(*KEY_ENDS_BATCH, device), num_splits=num_splits, **kw)
 
 

@@ -13,7 +13,14 @@ import math
 
 import pytest
 import torch
-from test_attention import FEATURES, MIXED, TOL, Batch, make_batch  # tests/kernels is on sys.path
+from test_attention import (  # tests/kernels is on sys.path
+    FEATURES,
+    FEATURES_BATCH,
+    MIXED,
+    TOL,
+    Batch,
+    make_batch,
+)
 from test_batch_invariant_kernels import Pool, attend
 
 from paged_kernels import paged_attention, ref_paged_attention
@@ -133,8 +140,7 @@ def test_mixed_batch(seed, device, dtype, num_heads, num_kv_heads, block_size):
 def test_with_window_softcap_alibi(seed, device, feature, num_splits):
     """The sink is not scaled, capped, biased or windowed (the reference's semantics)."""
     b = make_batch(
-        [1, 45, 1, 9],
-        [300, 70, 5, 180],
+        *FEATURES_BATCH,
         num_heads=4,
         num_kv_heads=2,
         head_dim=64,
@@ -171,7 +177,7 @@ def test_fp8_cache(seed, device, num_splits):
     """v_scale scales the values only, never the sink's share of the denominator."""
     b = make_batch(
         [1, 1, 1] if num_splits > 1 else MIXED[0],
-        [900, 40, 1500] if num_splits > 1 else MIXED[1],
+        [300, 40, 500] if num_splits > 1 else MIXED[1],
         num_heads=8,
         num_kv_heads=2,
         head_dim=64,
@@ -188,15 +194,15 @@ def test_fp8_cache(seed, device, num_splits):
 def test_batch_invariant_rows(seed, device):
     """batch_invariant=True with sinks and a window: a sequence's rows have the same bits
     prefilled whole, chunked, decoded alone or beside other rows."""
-    pool = Pool(2, 32, 16, torch.float32, device)
-    sinks = random_sinks(8, device)
+    pool = Pool(1, 32, 16, torch.float32, device)  # GQA 4
+    sinks = random_sinks(4, device)
     kw = {"batch_invariant": True, "sliding_window": 37, "sinks": sinks, "device": device}
-    q = torch.randn(90, 8, 32, device=device)
+    q = torch.randn(90, 4, 32, device=device)
     table = pool.table(90)
     (alone,) = attend(pool, [(q, table, 90)], **kw)
     first, second = attend(pool, [(q[:35], table, 35), (q[35:], table, 90)], **kw)
     assert torch.equal(torch.cat([first, second]), alone)
-    other = (torch.randn(1, 8, 32, device=device), pool.table(200), 200)
+    other = (torch.randn(1, 4, 32, device=device), pool.table(120), 120)
     _, last = attend(pool, [other, (q[-1:], table, 90)], **kw)
     assert torch.equal(last, alone[-1:])
     plain = ref_paged_attention(
@@ -211,7 +217,7 @@ def test_minus_inf_sinks_are_no_sinks(seed, device):
     """A -inf sink adds e^-inf = 0: the same bits as no sinks, split or not (the kernel starts
     from its usual finite floor instead)."""
     b = make_batch(
-        [1, 9, 1], [300, 70, 5], num_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
+        [1, 9, 1], [100, 70, 5], num_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
         dtype=torch.float32, device=device,
     )  # fmt: skip
     minus_inf = torch.full((4,), float("-inf"), device=device)

@@ -192,7 +192,9 @@ def attend(pool, parts, *, device, **kwargs):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(8, 2, 32), (4, 4, 40)])
+# GQA 4 and MHA on one and two KV heads (the grid has a program row per KV head): query tiles
+# of 8 and 32 rows in fp32, 16 and 64 in bf16.
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(4, 1, 32), (2, 2, 40)])
 @pytest.mark.parametrize("window", [None, 37])
 def test_attention_rows_do_not_depend_on_the_batch(
     seed, device, dtype, num_heads, num_kv_heads, head_dim, window
@@ -217,7 +219,7 @@ def test_attention_rows_do_not_depend_on_the_batch(
     mixed = attend(
         pool,
         [
-            other(1, 200),
+            other(1, 120),
             other(17, 0),
             (q[35:], table, length),
             other(1, 5),

@@ -94,7 +94,7 @@ def test_paged_attention_fp8_cache(seed, device, cache_dtype, dtype, num_splits)
     if num_splits == 1:
         b = make_batch(*MIXED, **shape, dtype=dtype, device=device)
     else:
-        b = make_batch([1, 1, 1], [900, 40, 1500], **shape, dtype=dtype, device=device)
+        b = make_batch([1, 1, 1], [300, 40, 500], **shape, dtype=dtype, device=device)
     key_cache = ref_quantize(b.key_cache, cache_dtype, k_scale)
     value_cache = ref_quantize(b.value_cache, cache_dtype, v_scale)
     args = (b.q, key_cache, value_cache, b.block_tables, b.cu_seqlens_q, b.seq_lens, scale)

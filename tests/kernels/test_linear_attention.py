@@ -282,7 +282,7 @@ DELTA_CASES = [
     (torch.float32, torch.float32, 2, 2, 16, 32),
     (torch.bfloat16, torch.float32, 2, 4, 16, 32),
     (torch.bfloat16, torch.bfloat16, 1, 4, 32, 16),
-    (torch.float16, torch.float32, 2, 4, 32, 24),
+    (torch.float16, torch.float32, 1, 2, 32, 24),  # (2 K heads under GQA: the case above)
 ]
 
 
@@ -360,9 +360,9 @@ def test_two_steps_equal_one(seed, device, impl):
     conv = ref_causal_conv1d if impl == "ref" else causal_conv1d
     delta = ref_gated_delta_rule if impl == "ref" else gated_delta_rule
     x, weight, b = conv_inputs([67], 16, 4, torch.float32, device, bias=True)
-    q, k, v, g, beta = delta_inputs([67], 2, 4, 16, 16, torch.float32, device)
+    q, k, v, g, beta = delta_inputs([67], 1, 2, 16, 16, torch.float32, device)  # GQA 2
     conv_pool = torch.randn(2, 16, 3, device=device)
-    delta_pool = torch.randn(2, 4, 16, 16, device=device)
+    delta_pool = torch.randn(2, 2, 16, 16, device=device)
     whole = (conv_pool.clone(), delta_pool.clone())
     y = conv(x, weight, b, whole[0], *layout([67], [True], [1], device))
     o = delta(q, k, v, g, beta, whole[1], *layout([67], [True], [1], device))

@@ -1,7 +1,8 @@
 """add_rms_norm (a residual add and the next RMSNorm in one kernel), rms_norm's Gemma rounding
 and silu_and_mul (a gated MLP's activation), each against its torch reference on random inputs:
 dtypes, widths that are and are not powers of two, strided rows, leading dims, empty batches,
-bad arguments.
+bad arguments; the norms' tiles of several rows: rows past the last full tile, and a row's bits
+independent of the rows around it.
 
 Triton's interpreter casts float32 to bfloat16 by truncation where a GPU rounds to nearest
 even: bfloat16 results may sit a unit in the last place from torch's here. The GPU-marked
@@ -15,12 +16,15 @@ import torch
 
 from paged_kernels import (
     add_rms_norm,
+    layer_norm,
     ref_add_rms_norm,
+    ref_layer_norm,
     ref_rms_norm,
     ref_silu_and_mul,
     rms_norm,
     silu_and_mul,
 )
+from paged_kernels.norm import TILE_ELEMENTS, _tile
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -86,6 +90,61 @@ def test_add_rms_norm_shapes_and_strides(seed, device):
         add_rms_norm(x, residual.half(), w, 1e-5)
     with pytest.raises(ValueError, match="weight"):
         add_rms_norm(x, residual, w[:40], 1e-5)
+
+
+def _norms(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> list:
+    return [
+        rms_norm(x, w, 1e-6),
+        rms_norm(x, w, 1e-6, 1.0, round_before_weight=False),
+        *add_rms_norm(x, r, w, 1e-6),
+        layer_norm(x, w, b, 1e-5),
+    ]
+
+
+def test_tile_rows_follow_the_row_width_only():
+    """Narrow rows share a program (at most TILE_ELEMENTS elements); rows of TILE_ELEMENTS or
+    more get one program each, as wide rows always did."""
+    assert _tile(32)[0] == 64 and _tile(128)[0] == TILE_ELEMENTS // 128 > 1
+    assert _tile(1024)[0] == 2 and _tile(TILE_ELEMENTS)[0] == _tile(65536)[0] == 1
+    for block in (1, 16, 128, 512, 2048, 8192):
+        rows, warps = _tile(block)
+        assert rows * block <= max(block, TILE_ELEMENTS) and 1 <= warps <= 16
+
+
+# Widths on both sides of one row a program: 64, 16, 2 and 1 rows a tile.
+@pytest.mark.parametrize("n", [32, 96, 1000, 2048, 2100])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_rows_independent_of_their_tile(seed, device, dtype, n):
+    """A partial last tile (rows not a multiple of ROWS) and one row: the norms of float32 rows
+    match torch's; every row's bits are the same alone, in a batch, and shifted within the
+    tiles by rows before it (another count and position)."""
+    tile_rows = _tile(1 << (n - 1).bit_length())[0]
+    m = tile_rows + 3
+    x, r, more = ((torch.randn(k, n, device=device) * 3).to(dtype) for k in (m, m, 2 * m + 5))
+    w = (torch.randn(n, device=device) * 0.2 + 1).to(dtype)
+    b = torch.randn(n, device=device).to(dtype)
+    got = _norms(x, r, w, b)
+    if dtype == torch.float32:
+        want = [
+            ref_rms_norm(x, w, 1e-6),
+            ref_rms_norm(x, w, 1e-6, 1.0, round_before_weight=False),
+            *ref_add_rms_norm(x, r, w, 1e-6),
+            ref_layer_norm(x, w, b, 1e-5),
+        ]
+        for g, want_g in zip(got, want, strict=True):
+            close(g, want_g, dtype)
+    before = 5 if tile_rows > 1 else 2  # rows ahead of x's: each of its rows moves in its tile
+    shifted = _norms(
+        torch.cat([more[:before], x, more[before:]]),
+        torch.cat([more[:before], r, more[before:]]),
+        w,
+        b,
+    )
+    for g, s in zip(got, shifted, strict=True):
+        assert torch.equal(g, s[before : before + m])
+    for i in (0, m - 1):  # one row alone: the first and the last (partial) tile's last
+        for g, one in zip(got, _norms(x[i : i + 1], r[i : i + 1], w, b), strict=True):
+            assert torch.equal(g[i : i + 1], one)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

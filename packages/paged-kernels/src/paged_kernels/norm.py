@@ -1,10 +1,12 @@
 """Row norms with a fixed reduction order: RMSNorm (alone, or after a residual add) and
-LayerNorm, one program per row.
+LayerNorm, each program normalising a tile of ROWS rows.
 
 torch's CUDA reductions choose how many threads and blocks share a row from the tensor's shape,
-so a row's sum can change with the number of rows. Here one program reduces one whole row
-(held in registers, BLOCK = the row length rounded up to a power of two) with the same
-tl.sum tree for every row: a row's result depends on that row alone. Statistics are fp32.
+so a row's sum can change with the number of rows. Here a program holds ROWS whole rows in
+registers as a [ROWS, BLOCK] tile (BLOCK = the row length rounded up to a power of two) and
+reduces each along axis 1 with the same tl.sum tree. ROWS and the warps come from BLOCK alone,
+never from the number of rows, and rows past the end are masked: a row's result depends on that
+row alone. Statistics are fp32.
 """
 
 from __future__ import annotations
@@ -16,39 +18,43 @@ import triton.language as tl
 from paged_kernels._utils import FLOAT_DTYPES, INTERPRETED, check, next_pow2
 
 MAX_ROW = 65536
+# Elements one program holds: narrow rows (q/k-norms' head rows) share a program, rows of
+# TILE_ELEMENTS or more get one each.
+TILE_ELEMENTS = 2048
+MAX_TILE_ROWS = 64
 
 
-@triton.jit
-def _load_row(x_ptr, stride, N, BLOCK: tl.constexpr):
-    """This program's row of x in fp32 (zeros past N), its offsets and their mask."""
-    offs = tl.arange(0, BLOCK)
-    ok = offs < N
-    x = tl.load(x_ptr + tl.program_id(0).to(tl.int64) * stride + offs, mask=ok, other=0.0)
-    return x.to(tl.float32), offs, ok
-
-
+# The kernels load their tiles inline: a nested @triton.jit call costs the interpreter
+# milliseconds per program.
 @triton.jit
 def _rms_norm_kernel(
     x_ptr,  # [rows, N]
     w_ptr,  # [N]
     out_ptr,  # [rows, N]
+    M,
     stride_x,
     stride_o,
     N,
     eps,
     weight_offset,
     BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
     ROUND_BEFORE_WEIGHT: tl.constexpr,
 ):
-    x, offs, ok = _load_row(x_ptr, stride_x, N, BLOCK)
-    y = x * tl.rsqrt(tl.sum(x * x, 0) / N + eps)
-    w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32) + weight_offset
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    offs = tl.arange(0, BLOCK)
+    col_ok = offs < N
+    ok = (rows < M)[:, None] & col_ok[None, :]
+    x = tl.load(x_ptr + rows[:, None] * stride_x + offs[None, :], mask=ok, other=0.0)
+    x = x.to(tl.float32)
+    y = x * tl.rsqrt(tl.sum(x * x, 1) / N + eps)[:, None]
+    w = tl.load(w_ptr + offs, mask=col_ok, other=0.0).to(tl.float32) + weight_offset
     if ROUND_BEFORE_WEIGHT:  # 16-bit models: normalise, round, then scale in the model dtype
         y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
         w = w.to(out_ptr.dtype.element_ty).to(tl.float32)
     tl.store(
-        out_ptr + tl.program_id(0).to(tl.int64) * stride_o + offs,
-        (y * w).to(out_ptr.dtype.element_ty),
+        out_ptr + rows[:, None] * stride_o + offs[None, :],
+        (y * w[None, :]).to(out_ptr.dtype.element_ty),
         mask=ok,
     )
 
@@ -60,25 +66,31 @@ def _add_rms_norm_kernel(
     w_ptr,  # [N]
     out_ptr,  # [rows, N] rms_norm(x + r)
     sum_ptr,  # [rows, N] x + r
+    M,
     stride_x,
     stride_r,
     N,
     eps,
     BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
     ROUND_BEFORE_WEIGHT: tl.constexpr,
 ):
-    x, offs, ok = _load_row(x_ptr, stride_x, N, BLOCK)
-    r, _, _ = _load_row(r_ptr, stride_r, N, BLOCK)
-    row = tl.program_id(0).to(tl.int64) * N
-    total = (x + r).to(sum_ptr.dtype.element_ty)  # rounded as torch's x + r is
-    tl.store(sum_ptr + row + offs, total, mask=ok)
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    offs = tl.arange(0, BLOCK)
+    col_ok = offs < N
+    ok = (rows < M)[:, None] & col_ok[None, :]
+    x = tl.load(x_ptr + rows[:, None] * stride_x + offs[None, :], mask=ok, other=0.0)
+    r = tl.load(r_ptr + rows[:, None] * stride_r + offs[None, :], mask=ok, other=0.0)
+    dense = rows[:, None] * N + offs[None, :]  # out and sum: dense rows of N
+    total = (x.to(tl.float32) + r.to(tl.float32)).to(sum_ptr.dtype.element_ty)  # as torch's +
+    tl.store(sum_ptr + dense, total, mask=ok)
     t = total.to(tl.float32)
-    y = t * tl.rsqrt(tl.sum(t * t, 0) / N + eps)
-    w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    y = t * tl.rsqrt(tl.sum(t * t, 1) / N + eps)[:, None]
+    w = tl.load(w_ptr + offs, mask=col_ok, other=0.0).to(tl.float32)
     if ROUND_BEFORE_WEIGHT:
         y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
         w = w.to(out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row + offs, (y * w).to(out_ptr.dtype.element_ty), mask=ok)
+    tl.store(out_ptr + dense, (y * w[None, :]).to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -87,23 +99,30 @@ def _layer_norm_kernel(
     w_ptr,  # [N], read only if HAS_WEIGHT
     b_ptr,  # [N], read only if HAS_BIAS
     out_ptr,  # [rows, N]
+    M,
     stride_x,
     stride_o,
     N,
     eps,
     BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
 ):
-    x, offs, ok = _load_row(x_ptr, stride_x, N, BLOCK)
-    centred = tl.where(ok, x - tl.sum(x, 0) / N, 0.0)
-    y = centred * tl.rsqrt(tl.sum(centred * centred, 0) / N + eps)
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    offs = tl.arange(0, BLOCK)
+    col_ok = offs < N
+    ok = (rows < M)[:, None] & col_ok[None, :]
+    x = tl.load(x_ptr + rows[:, None] * stride_x + offs[None, :], mask=ok, other=0.0)
+    x = x.to(tl.float32)
+    centred = tl.where(ok, x - (tl.sum(x, 1) / N)[:, None], 0.0)
+    y = centred * tl.rsqrt(tl.sum(centred * centred, 1) / N + eps)[:, None]
     if HAS_WEIGHT:
-        y = y * tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        y = y * tl.load(w_ptr + offs, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     if HAS_BIAS:
-        y = y + tl.load(b_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        y = y + tl.load(b_ptr + offs, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(
-        out_ptr + tl.program_id(0).to(tl.int64) * stride_o + offs,
+        out_ptr + rows[:, None] * stride_o + offs[None, :],
         y.to(out_ptr.dtype.element_ty),
         mask=ok,
     )
@@ -120,8 +139,15 @@ def _rows(x: torch.Tensor, n: int, name: str) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-def _warps(block: int) -> int:
-    return 1 if INTERPRETED else min(16, max(1, block // 256))
+def _tile(block: int) -> tuple[int, int]:
+    """(ROWS, num_warps) for rows of BLOCK elements: a function of the row width only (batch
+    invariance), at most TILE_ELEMENTS elements a program unless one row is wider."""
+    rows = min(MAX_TILE_ROWS, max(1, TILE_ELEMENTS // block))
+    return rows, 1 if INTERPRETED else min(16, max(1, rows * block // 256))
+
+
+def _grid(n_rows: int, tile_rows: int) -> tuple[int]:
+    return ((n_rows + tile_rows - 1) // tile_rows,)
 
 
 def rms_norm(
@@ -144,18 +170,21 @@ def rms_norm(
     out = torch.empty_like(x2)
     if x2.shape[0]:
         block = next_pow2(x2.shape[1])
-        _rms_norm_kernel[(x2.shape[0],)](
+        tile_rows, warps = _tile(block)
+        _rms_norm_kernel[_grid(x2.shape[0], tile_rows)](
             x2,
             weight.contiguous(),
             out,
+            x2.shape[0],
             x2.stride(0),
             out.stride(0),
             x2.shape[1],
             float(eps),
             float(weight_offset),
             BLOCK=block,
+            ROWS=tile_rows,
             ROUND_BEFORE_WEIGHT=x.dtype != torch.float32 and round_before_weight is not False,
-            num_warps=_warps(block),
+            num_warps=warps,
         )
     return out if x.dim() == 2 else out.view(x.shape)
 
@@ -183,19 +212,22 @@ def add_rms_norm(
     total = torch.empty_like(out)
     if x2.shape[0]:
         block = next_pow2(x2.shape[1])
-        _add_rms_norm_kernel[(x2.shape[0],)](
+        tile_rows, warps = _tile(block)
+        _add_rms_norm_kernel[_grid(x2.shape[0], tile_rows)](
             x2,
             r2,
             weight.contiguous(),
             out,
             total,
+            x2.shape[0],
             x2.stride(0),
             r2.stride(0),
             x2.shape[1],
             float(eps),
             BLOCK=block,
+            ROWS=tile_rows,
             ROUND_BEFORE_WEIGHT=x.dtype != torch.float32,
-            num_warps=_warps(block),
+            num_warps=warps,
         )
     if x.dim() == 2:  # rows already: no views to make
         return out, total
@@ -219,18 +251,21 @@ def layer_norm(
     out = torch.empty_like(x2)
     if x2.shape[0]:
         block = next_pow2(n)
-        _layer_norm_kernel[(x2.shape[0],)](
+        tile_rows, warps = _tile(block)
+        _layer_norm_kernel[_grid(x2.shape[0], tile_rows)](
             x2,
             weight.contiguous() if weight is not None else x2,
             bias.contiguous() if bias is not None else x2,
             out,
+            x2.shape[0],
             x2.stride(0),
             out.stride(0),
             n,
             float(eps),
             BLOCK=block,
+            ROWS=tile_rows,
             HAS_WEIGHT=weight is not None,
             HAS_BIAS=bias is not None,
-            num_warps=_warps(block),
+            num_warps=warps,
         )
     return out.view(x.shape)

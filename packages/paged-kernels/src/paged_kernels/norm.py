@@ -26,7 +26,7 @@ MAX_TILE_ROWS = 64
 
 # The kernels load their tiles inline: a nested @triton.jit call costs the interpreter
 # milliseconds per program.
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # the row count: one compile for all
 def _rms_norm_kernel(
     x_ptr,  # [rows, N]
     w_ptr,  # [N]
@@ -59,7 +59,7 @@ def _rms_norm_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # the row count: one compile for all
 def _add_rms_norm_kernel(
     x_ptr,  # [rows, N]
     r_ptr,  # [rows, N] the residual stream
@@ -93,7 +93,7 @@ def _add_rms_norm_kernel(
     tl.store(out_ptr + dense, (y * w[None, :]).to(out_ptr.dtype.element_ty), mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # the row count: one compile for all
 def _layer_norm_kernel(
     x_ptr,  # [rows, N]
     w_ptr,  # [N], read only if HAS_WEIGHT

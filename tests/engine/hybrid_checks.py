@@ -13,7 +13,12 @@ from paged_engine import LLM, SamplingParams
 from paged_engine.testing import write_tiny_model
 
 MAX_TOKENS = 10
-TRITON_MAX_TOKENS = 4  # the interpreted Triton kernels' runs: every step costs seconds
+# The interpreted Triton kernels' runs, where every token of every step costs: in prefill chunks
+# of 16, a prompt of 16 + 4 tokens (two KV blocks; the second chunk spans a whole conv window
+# past the carried one) beside one of a single token, then two decode steps (the second reading
+# the state the first wrote).
+TRITON_PROMPT_LENS = (20, 1)
+TRITON_MAX_TOKENS = 3
 TOP = 5
 # Nemotron 3's MoE blocks on a tiny Nemotron-H: DeepSeek-V3's router over 2 groups, non-gated
 # relu^2 experts and shared experts (write_tiny_model overrides)
@@ -54,10 +59,10 @@ def tiny_dirs(tmp_path_factory, cases: dict[str, tuple[str, dict]]):
 def assert_greedy_matches_hf(name, path, backend: str, budget: int | None) -> LLM:
     """HF generate's greedy tokens and top-5 logprobs (1e-3, float32) on prompts of 1 to 70
     tokens, MAX_TOKENS each (on the interpreted Triton kernels, which walk tokens one by one:
-    prompts of 23 and 1 tokens, 4 tokens each, still chunked prefills and decode steps), whole
+    prompts of 20 and 1 tokens, 3 tokens each, still chunked prefills and decode steps), whole
     or in prefill chunks of `budget`. Returns the engine."""
     triton = backend == "triton"
-    prompts = random_prompts(7, (23, 1) if triton else (5, 23, 70, 1))
+    prompts = random_prompts(7, TRITON_PROMPT_LENS if triton else (5, 23, 70, 1))
     max_tokens = TRITON_MAX_TOKENS if triton else MAX_TOKENS
     hf = load_hf_model(path)
     refs = [hf_greedy(hf, p, max_tokens, TOP) for p in prompts]
@@ -273,13 +278,13 @@ def assert_snapshots_keep_outputs(path, hits: list[int] | str | None = "auto", *
 def assert_runs_match_hf(name, path, runs, check=None) -> None:
     """For each (backend, prefill budget or None) in `runs`, an engine with a pool of 64 blocks
     gives HF generate's greedy tokens and top-5 logprobs (1e-3, float32) on prompts of 1 to 70
-    tokens, MAX_TOKENS each (interpreted Triton: 23 and 1 tokens, TRITON_MAX_TOKENS each); HF
+    tokens, MAX_TOKENS each (interpreted Triton: TRITON_PROMPT_LENS, TRITON_MAX_TOKENS each); HF
     runs each prompt once. `check(llm, hf)` then looks at each engine."""
     hf = load_hf_model(path)
     refs = {}
     for backend, budget in runs:
         triton = backend == "triton"  # interpreted: shorter prompts, fewer tokens
-        prompts = random_prompts(7, (23, 1) if triton else (5, 23, 70, 1))
+        prompts = random_prompts(7, TRITON_PROMPT_LENS if triton else (5, 23, 70, 1))
         max_tokens = TRITON_MAX_TOKENS if triton else MAX_TOKENS
         for p in prompts:
             if (tuple(p), max_tokens) not in refs:

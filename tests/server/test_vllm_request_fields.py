@@ -485,7 +485,10 @@ def test_transcription_vllm_xargs_reach_sampling() -> None:
     req = parse_speech(_form([("vllm_xargs", '{"k": 2, "s": "v"}')]), "transcribe")
     assert req.sampling["extra_args"] == {"k": 2, "s": "v"}
     assert "extra_args" not in parse_speech(_form([("vllm_xargs", "{}")]), "transcribe").sampling
-    for bad in ("[1]", "{bad", '{"k": [1]}'):
+    # checked as the JSON bodies' vllm_xargs (lists of strings / numbers are values too)
+    lists = parse_speech(_form([("vllm_xargs", '{"k": [1, "a"]}')]), "transcribe")
+    assert lists.sampling["extra_args"] == {"k": [1, "a"]}
+    for bad in ("[1]", "{bad", '{"k": {"n": 1}}', '{"k": [[1]]}'):
         with pytest.raises(APIError) as e:
             parse_speech(_form([("vllm_xargs", bad)]), "transcribe")
         assert e.value.param == "vllm_xargs"

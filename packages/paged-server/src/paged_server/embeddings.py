@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from paged_engine.pooling import PoolingParams, encode_truncated, truncated, truncation_limit
 from paged_server.errors import bad_request
-from paged_server.openai_protocol import parse_chat
+from paged_server.openai_protocol import check_defaults, parse_chat
 from paged_server.pooling_media import chat_prompt
 
 if TYPE_CHECKING:
@@ -108,9 +108,7 @@ _EMBED_OFF = (
 
 def check_off(body: dict, names: tuple[str, ...]) -> None:
     """The `names` of POOLING_OFF in `body` hold their default values (else a 400)."""
-    for name in names:
-        if name in body and body[name] not in POOLING_OFF[name]:
-            raise bad_request(f"parameter '{name}' is not supported by this server", name)
+    check_defaults(body, {name: POOLING_OFF[name] for name in names})
 
 
 def parse_request_id(body: dict) -> str | None:

@@ -194,14 +194,11 @@ class _Body:
     def __init__(self, body: Any, allowed: set[str]):
         if not isinstance(body, dict):
             raise bad_request("request body must be a JSON object")
-        for key, value in body.items():
-            if key in allowed or key in _IGNORED:
-                continue
-            if key in _UNSUPPORTED_UNLESS:
-                if value not in _UNSUPPORTED_UNLESS[key]:
-                    raise bad_request(f"parameter '{key}' is not supported by this server", key)
+        for key in body:
+            if key in allowed or key in _IGNORED or key in _UNSUPPORTED_UNLESS:
                 continue
             raise bad_request(f"Unrecognized request argument supplied: {key}", key)
+        check_defaults(body, _UNSUPPORTED_UNLESS)
         self.d = body
 
     def has(self, name: str) -> bool:
@@ -298,7 +295,7 @@ def _sampling(b: _Body) -> dict[str, Any]:
         "logit_bias": lambda: _logit_bias(b.d.get("logit_bias")),
         "bad_words": lambda: _bad_words(b.d.get("bad_words")),
         "repetition_detection": lambda: _repetition_detection(b),
-        "extra_args": lambda: _xargs(b.d.get("vllm_xargs")),
+        "extra_args": lambda: parse_xargs(b.d.get("vllm_xargs")),
         "thinking_token_budget": lambda: b.int("thinking_token_budget", None, -1, 1 << 31),
         "skip_reading_prefix_cache": lambda: (
             b.bool("skip_reading_prefix_cache") if b.has("skip_reading_prefix_cache") else None
@@ -363,7 +360,15 @@ def _repetition_detection(b: _Body) -> dict[str, int] | None:
     return value
 
 
-def _xargs(value: Any) -> dict[str, Any] | None:
+def check_defaults(body: dict[str, Any], table: dict[str, tuple[Any, ...]]) -> None:
+    """Fields this server accepts only at the values in `table` (vLLM's defaults, asking for
+    nothing it lacks): another value is a 400 naming the field."""
+    for key, values in table.items():
+        if key in body and body[key] not in values:
+            raise bad_request(f"parameter '{key}' is not supported by this server", key)
+
+
+def parse_xargs(value: Any) -> dict[str, Any] | None:
     """vLLM's `vllm_xargs`: SamplingParams.extra_args, for custom sampling code and plugins."""
     if value is None or value == {}:
         return None

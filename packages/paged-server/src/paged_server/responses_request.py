@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from paged_server.errors import APIError, bad_request, renamed_params
-from paged_server.openai_protocol import GenerationRequest, parse_chat
+from paged_server.openai_protocol import GenerationRequest, check_defaults, parse_chat
 from paged_server.responses_truncation import TurnCuts, turn_cuts
 
 if TYPE_CHECKING:
@@ -479,12 +479,9 @@ def parse_responses(
             if body[key] is None:  # no value (vLLM's: a null `prompt` is accepted)
                 continue
             raise bad_request(f"parameter '{key}' is not supported by this server", key)
-        if key in _OFF:
-            if body[key] not in _OFF[key]:
-                raise bad_request(f"parameter '{key}' is not supported by this server", key)
-            continue
-        if key not in _FIELDS and key not in _IGNORED:
+        if key not in _FIELDS and key not in _IGNORED and key not in _OFF:
             raise bad_request(f"Unrecognized request argument supplied: {key}", key)
+    check_defaults(body, _OFF)
     _check_off(body)
     if "input" not in body:
         raise bad_request("'input' is required", "input")

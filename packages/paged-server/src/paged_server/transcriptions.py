@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING, Any
 
 from paged_server.errors import bad_request
 from paged_server.multipart import Part, parse_form
-from paged_server.openai_protocol import check_context
+from paged_server.openai_protocol import check_context, parse_xargs
 from paged_server.openai_responses import envelope, usage
 
 if TYPE_CHECKING:
@@ -168,22 +168,15 @@ def parse_speech(form: dict[str, list[Part]], task: str) -> SpeechRequest:
 
 
 def _xargs(text: str | None) -> dict[str, Any] | None:
-    """vLLM's `vllm_xargs` form field: a JSON object of strings and numbers, handed to
-    SamplingParams.extra_args (for custom sampling code and plugins)."""
+    """vLLM's `vllm_xargs` form field: a JSON object, checked as the JSON bodies' field is
+    (openai_protocol.parse_xargs), handed to SamplingParams.extra_args."""
     if text is None or not text.strip():
         return None
     try:
         value = json.loads(text)
     except ValueError:
-        value = None
-    ok = isinstance(value, dict) and all(
-        isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in value.values()
-    )
-    if not ok:
-        raise bad_request(
-            "'vllm_xargs' must be a JSON object mapping names to strings or numbers", "vllm_xargs"
-        )
-    return value
+        raise bad_request("'vllm_xargs' must be a JSON object", "vllm_xargs") from None
+    return parse_xargs(value)
 
 
 def _flag(values: dict[str, str], name: str) -> bool:

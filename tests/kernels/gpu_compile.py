@@ -402,6 +402,12 @@ def record_launches() -> list[tuple[str, object, tuple, dict]]:
             1e-6,
         ),
     )
+    # narrow rows share a program ([ROWS, BLOCK] tiles): a head's 128 (16 rows), and 32 (64)
+    for width in (128, 32):
+        x = torch.zeros(40, width, dtype=torch.bfloat16)
+        call(f"rms_norm bf16 width {width}", norm.rms_norm, x, x[0], 1e-6)
+        call(f"add_rms_norm bf16 width {width}", norm.add_rms_norm, x, x.clone(), x[0], 1e-6)
+        call(f"layer_norm bf16 width {width}", norm.layer_norm, x, x[0], x[1], 1e-5)
     # fused_moe at Qwen3-30B-A3B's expert sizes (H 2048, I 768; 8 of its 128 experts, top-2, to
     # keep the CPU tensors small): decode-, mid- and prefill-size groups pick different tiles
     # (fp32 has two configs; fp16 compiles as bf16 does).

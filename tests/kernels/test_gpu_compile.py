@@ -40,4 +40,5 @@ def test_every_kernel_launch_compiles_for_hopper():
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     assert "paged_attention mixed bf16 batch_invariant" in proc.stdout
     assert "int4_linear bf16 T=512" in proc.stdout
+    assert "add_rms_norm bf16 width 32" in proc.stdout  # 64 rows a program
     assert proc.stdout.count("\nok ") + proc.stdout.startswith("ok ") >= 25

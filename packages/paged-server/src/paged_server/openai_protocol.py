@@ -198,7 +198,8 @@ class _Body:
             if key in allowed or key in _IGNORED or key in _UNSUPPORTED_UNLESS:
                 continue
             raise bad_request(f"Unrecognized request argument supplied: {key}", key)
-        check_defaults(body, _UNSUPPORTED_UNLESS)
+        # (a field this route serves, e.g. prompt_embeds when enabled, takes any value)
+        check_defaults(body, {k: v for k, v in _UNSUPPORTED_UNLESS.items() if k not in allowed})
         self.d = body
 
     def has(self, name: str) -> bool:

@@ -33,6 +33,7 @@ from paged_server.embeddings import (
     parse_priority,
     parse_request_id,
     parse_truncate,
+    pooling_off,
     prompt_tokens,
     run_pooling,
 )
@@ -54,7 +55,7 @@ _FIELDS = CHAT_FIELDS | {
     "request_id",
 }
 # vLLM's classification request fields accepted at their defaults only (POOLING_OFF)
-_OFF = ("padding", "truncation_side", "cache_salt", "media_io_kwargs")
+_OFF = pooling_off("padding", "truncation_side", "cache_salt", "media_io_kwargs")
 
 
 def parse_classify(body: Any) -> dict[str, Any]:

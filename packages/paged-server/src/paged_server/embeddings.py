@@ -96,19 +96,16 @@ POOLING_OFF: dict[str, tuple[Any, ...]] = {
     "max_tokens_per_query": (None, 0),
     "max_tokens_per_doc": (None, 0),
 }
-_EMBED_OFF = (
-    "padding",
-    "truncation_side",
-    "cache_salt",
-    "media_io_kwargs",
-    "embed_dtype",
-    "endianness",
+
+
+def pooling_off(*names: str) -> dict[str, tuple[Any, ...]]:
+    """A route's table of POOLING_OFF fields, for openai_protocol.check_defaults."""
+    return {name: POOLING_OFF[name] for name in names}
+
+
+_EMBED_OFF = pooling_off(
+    "padding", "truncation_side", "cache_salt", "media_io_kwargs", "embed_dtype", "endianness"
 )
-
-
-def check_off(body: dict, names: tuple[str, ...]) -> None:
-    """The `names` of POOLING_OFF in `body` hold their default values (else a 400)."""
-    check_defaults(body, {name: POOLING_OFF[name] for name in names})
 
 
 def parse_request_id(body: dict) -> str | None:
@@ -128,13 +125,13 @@ def parse_embedding(body: Any, route: str = "/v1/embeddings") -> EmbeddingReques
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     known = (_POOLING_FIELDS if route == "/pooling" else _FIELDS) | CHAT_FIELDS
-    unknown = sorted(set(body) - known - set(_EMBED_OFF))
+    unknown = sorted(set(body) - known - _EMBED_OFF.keys())
     if unknown:
         raise bad_request(f"parameter '{unknown[0]}' is not supported by {route}", unknown[0])
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad_request("'model' must be a string", "model")
-    check_off(body, _EMBED_OFF)
+    check_defaults(body, _EMBED_OFF)
     chat = chat_fields(body)
     items = [] if chat else inputs(body.get("input"))
     fmt = body.get("encoding_format", "float")

@@ -38,17 +38,17 @@ from paged_engine import jina_vl_scoring
 from paged_engine.pooling import PoolingParams, truncation_limit
 from paged_engine.scoring import cosine_scores, cross_encoder_scores, pair_indices, pair_prompt
 from paged_server.embeddings import (
-    POOLING_OFF,
-    check_off,
     list_answer,
     parse_priority,
     parse_request_id,
     parse_truncate,
+    pooling_off,
     prompt_tokens,
     run_pooling,
     truncated_tokens,
 )
 from paged_server.errors import bad_request
+from paged_server.openai_protocol import check_defaults
 from paged_server.pooling_media import (
     MediaSide,
     load_images,
@@ -72,7 +72,7 @@ _COMMON = frozenset(
     {"model", "user", "truncate_prompt_tokens", "priority", "use_activation", "request_id"}
 )
 # vLLM's ScoringRequestMixin fields accepted at their defaults only (POOLING_OFF)
-_SCORE_OFF = (
+_SCORE_OFF = pooling_off(
     "padding",
     "truncation_side",
     "cache_salt",
@@ -99,18 +99,17 @@ class ScoreRequest:
 
 
 def check_fields(
-    body: Any, allowed: frozenset[str], route: str, off: tuple[str, ...] = _SCORE_OFF
+    body: Any, allowed: frozenset[str], route: str, off: dict[str, tuple] = _SCORE_OFF
 ) -> dict:
     """A pooling route's body: an object of `allowed` fields (and of `off` ones at their
     defaults, POOLING_OFF), `model` a string and `use_activation` a boolean when given (400
     naming the first bad one)."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
-    assert set(off) <= set(POOLING_OFF)
-    unknown = sorted(set(body) - allowed - set(off))
+    unknown = sorted(set(body) - allowed - off.keys())
     if unknown:
         raise bad_request(f"parameter '{unknown[0]}' is not supported by {route}", unknown[0])
-    check_off(body, off)
+    check_defaults(body, off)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad_request("'model' must be a string", "model")

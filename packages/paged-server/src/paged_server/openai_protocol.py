@@ -8,6 +8,7 @@ so this module never imports the engine (nor torch).
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -199,7 +200,7 @@ class _Body:
                 continue
             raise bad_request(f"Unrecognized request argument supplied: {key}", key)
         # (a field this route serves, e.g. prompt_embeds when enabled, takes any value)
-        check_defaults(body, {k: v for k, v in _UNSUPPORTED_UNLESS.items() if k not in allowed})
+        check_defaults(body, _UNSUPPORTED_UNLESS, served=allowed)
         self.d = body
 
     def has(self, name: str) -> bool:
@@ -361,11 +362,13 @@ def _repetition_detection(b: _Body) -> dict[str, int] | None:
     return value
 
 
-def check_defaults(body: dict[str, Any], table: dict[str, tuple[Any, ...]]) -> None:
+def check_defaults(
+    body: dict[str, Any], table: dict[str, tuple[Any, ...]], served: Collection[str] = ()
+) -> None:
     """Fields this server accepts only at the values in `table` (vLLM's defaults, asking for
-    nothing it lacks): another value is a 400 naming the field."""
+    nothing it lacks), unless the route `served` them: another value is a 400 naming the field."""
     for key, values in table.items():
-        if key in body and body[key] not in values:
+        if key in body and key not in served and body[key] not in values:
             raise bad_request(f"parameter '{key}' is not supported by this server", key)
 
 

@@ -191,7 +191,8 @@ def test_prefix_cache_resumes_from_state_snapshots(name, kw, hits, hybrid_dirs):
     assert stats.state_snapshots_cached == slots.num_cached_snapshots > 0
     assert stats.state_decode_snapshots == slots.decode_snapshots
     text = Metrics("m").render(stats)
-    assert f'paged:state_snapshot_hits_total{{model_name="m"}} {slots.snapshot_hits}' in text
+    lab = 'engine="0",model_name="m"'
+    assert f"paged:state_snapshot_hits_total{{{lab}}} {slots.snapshot_hits}" in text
     assert llm.llm_engine.reset_prefix_cache() and slots.num_cached_snapshots == 0
 
 

@@ -195,6 +195,22 @@ def test_a_data_url_image_gives_the_offline_greedy_tokens(llava, pictures) -> No
     assert other["choices"][0]["token_ids"] == llava.want["second"].ids != want.ids
 
 
+def test_metrics_count_the_processor_caches_queries_and_hits(llava) -> None:
+    """vLLM's mm_cache_queries / mm_cache_hits (items): an image the cache has not seen is a
+    query and a miss, the same image again a query and a hit."""
+
+    def counts() -> tuple[float, float]:
+        m = llava.http.metrics()
+        return m["paged:mm_cache_queries_total"], m["paged:mm_cache_hits_total"]
+
+    fresh = Image.fromarray(np.random.default_rng(7).integers(0, 255, (20, 24, 3), np.uint8))
+    before = counts()
+    for _ in range(2):
+        _chat(llava.http, _ask(_image_part(_data_url(fresh))), max_tokens=1)
+    after = counts()
+    assert (after[0] - before[0], after[1] - before[1]) == (2, 1)
+
+
 def test_http_and_bare_string_urls_and_a_stream(llava, image_host) -> None:
     want = llava.want["first"]
     body = _chat(llava.http, _ask(_image_part(image_host + "/first.png")), return_token_ids=True)

@@ -17,6 +17,7 @@ from fake_engine import FakeEngine
 from server_proc import HEADERS, serve_in_process
 
 from paged_engine.engine.request_latency import RequestClock, RequestLatency
+from paged_server.exposition import to_openmetrics
 from paged_server.metrics import Metrics
 
 PROMETHEUS_ACCEPT = (  # what Prometheus sends by default
@@ -32,6 +33,8 @@ VLLM_ITL = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 
 VLLM_ITL += [10.0, 20.0, 40.0, 80.0]
 VLLM_LATENCY = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0]
 VLLM_LATENCY += [60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+VLLM_ITERATION = [1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0]
+VLLM_ITERATION += [8192.0, 16384.0]
 
 # Every name vLLM's Grafana dashboard (examples/online_serving/prometheus_grafana/grafana.json)
 # and the routers query that paged can measure, with vLLM's type and buckets (None: 1-2-5 up to
@@ -220,6 +223,14 @@ def _stats(**over: object) -> SimpleNamespace:
         running_lora_adapters=[ODD, "b"],
         waiting_lora_adapters=["c"],
         sleep_state="weights_offloaded",
+        prompt_tokens_local_compute=70,
+        prompt_tokens_local_cache_hit=33,
+        prompt_tokens_external_kv_transfer=16,
+        prompt_tokens_cached=48,
+        prompt_tokens_recomputed=1,
+        iteration_tokens=([0, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3, 3], 140.0, 3),
+        mm_cache_queries=5,
+        mm_cache_hits=2,
         **over,
     )
     return stats
@@ -240,7 +251,7 @@ def test_every_state_parses_strictly() -> None:
         assert stream.status == 200 and stream.readline().startswith(b"data: ")
         states.append(_scrape(server)[1])  # while the request runs
         running = parse(states[-1])["vllm:num_requests_running"]
-        assert one(running) == 1 and running.samples[0][1] == {"model_name": ODD}
+        assert one(running) == 1 and running.samples[0][1] == {"engine": "0", "model_name": ODD}
         stream.read()
         conn.close()
         for n in (1, 3):
@@ -280,9 +291,119 @@ def test_spec_decode_lora_sleep_and_cache_info_parse_as_routers_read_them() -> N
     check(parse(text))
     per_pos = parse(text)["vllm:spec_decode_num_accepted_tokens_per_pos_total"].samples
     assert [(lab["position"], v) for _, lab, v in per_pos] == [("0", 3), ("1", 2), ("2", 0)]
-    from paged_server.exposition import to_openmetrics
-
     check(parse(to_openmetrics(text), openmetrics=True))
+
+
+def test_engine_label_and_vllm_v1_counters() -> None:
+    """vLLM V1's labels on every engine sample (engine="0" beside model_name, written in
+    prometheus_client's sorted order), prompt tokens by source, cached and recomputed prompt
+    tokens, multimodal cache counters and tokens per engine step (vLLM's buckets)."""
+    text = Metrics(ODD, "vllm", max_model_len=100).render(_stats())
+    families = parse(text)
+    for name, f in families.items():
+        for _, labels, _ in f.samples:
+            assert list(labels) == sorted(labels), name  # as prometheus_client writes them
+            if name != "vllm:http_requests_total":
+                assert labels["engine"] == "0" and labels["model_name"] == ODD, name
+    assert 'vllm:request_success_total{engine="0",finished_reason="stop",model_name=' in text
+    by_source = families["vllm:prompt_tokens_by_source_total"]
+    assert by_source.type == "counter"
+    assert [(lab["source"], v) for _, lab, v in by_source.samples] == [
+        ("local_compute", 70),
+        ("local_cache_hit", 33),
+        ("external_kv_transfer", 16),
+    ]
+    for name, value in [
+        ("prompt_tokens_cached_total", 48),
+        ("prompt_tokens_recomputed_total", 1),
+        ("mm_cache_queries_total", 5),
+        ("mm_cache_hits_total", 2),
+    ]:
+        assert families["vllm:" + name].type == "counter" and one(families["vllm:" + name]) == value
+    steps = families["vllm:iteration_tokens_total"]
+    assert steps.type == "histogram" and buckets(steps) == VLLM_ITERATION
+    assert (one(steps, "_count"), one(steps, "_sum")) == (3, 140)
+    om = parse(to_openmetrics(text), openmetrics=True)  # a histogram keeps its _total name
+    assert om["vllm:iteration_tokens_total"].type == "histogram"
+    assert om["vllm:prompt_tokens_by_source"].type == "counter"
+
+
+def test_get_metrics_reads_the_new_counters_as_vllms_reader() -> None:
+    """LLM.get_metrics() (vllm.v1.metrics.reader's records) carries them too, named as vLLM's
+    reader names them (counters without `_total`), labelled engine "0"."""
+    import dataclasses
+
+    from paged_engine.engine.stats import EngineStats
+    from paged_engine.metrics_reader import Counter, Histogram, snapshot
+
+    required = [  # the fields without a default: counts and gauges at 0
+        f.name
+        for f in dataclasses.fields(EngineStats)
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    stats = EngineStats(**dict.fromkeys(required, 0))
+    stats.prompt_tokens_local_compute, stats.prompt_tokens_local_cache_hit = 7, 5
+    stats.prompt_tokens_cached, stats.prompt_tokens_recomputed = 4, 1
+    stats.iteration_tokens = ([0, 1] + [2] * 12, 9.0, 2)
+    stats.mm_cache_queries, stats.mm_cache_hits = 3, 1
+    records = snapshot(stats, RequestLatency(), "m")
+    by_source = {
+        r.labels["source"]: r.value for r in records if r.name == "vllm:prompt_tokens_by_source"
+    }
+    assert by_source == {"local_compute": 7, "local_cache_hit": 5, "external_kv_transfer": 0}
+    named = {r.name: r for r in records if "source" not in r.labels}
+    for name, value in [
+        ("prompt_tokens_cached", 4),
+        ("prompt_tokens_recomputed", 1),
+        ("mm_cache_queries", 3),
+        ("mm_cache_hits", 1),
+    ]:
+        record = named["vllm:" + name]
+        assert isinstance(record, Counter) and record.value == value, name
+        assert record.labels == {"model_name": "m", "engine": "0"}
+    steps = named["vllm:iteration_tokens_total"]
+    assert isinstance(steps, Histogram) and (steps.count, steps.sum) == (2, 9.0)
+    assert list(steps.buckets)[:3] == ["1.0", "8.0", "16.0"] and steps.buckets["8.0"] == 1
+
+
+def test_prompt_sources_and_step_tokens_measure_the_engine(real_server) -> None:
+    """The real engine's counts over two requests of a prompt and of one a block longer than a
+    block multiple: the first runs whole, the second finds its full blocks in the prefix cache
+    (a hit stops before the last token, which runs: vLLM counts a hit of all but it as one
+    recomputed token). Every step's tokens (prompt chunks and decode tokens) add up."""
+
+    def counts() -> dict[str, float]:
+        families = parse(_scrape(real_server)[1])
+        out = {
+            lab["source"]: v
+            for _, lab, v in families["paged:prompt_tokens_by_source_total"].samples
+        }
+        for name in ("prompt_tokens", "prompt_tokens_cached", "prompt_tokens_recomputed"):
+            out[name] = one(families[f"paged:{name}_total"])
+        out["hits"] = one(families["paged:prefix_cache_hits_total"])
+        steps = families["paged:iteration_tokens_total"]
+        assert buckets(steps) == VLLM_ITERATION
+        out["steps"], out["step_tokens"] = one(steps, "_count"), one(steps, "_sum")
+        return out
+
+    ((_, info, _),) = parse(_scrape(real_server)[1])["paged:cache_config_info"].samples
+    block = int(info["block_size"])
+    before = counts()
+    for length, start in ((2 * block + 8, 7), (2 * block + 1, 300)):  # fresh tokens each
+        body = {"prompt": list(range(start, start + length)), "max_tokens": 2, "ignore_eos": True}
+        for _ in range(2):
+            assert real_server.request("POST", "/v1/completions", body)[0] == 200
+    after = counts()
+    d = {k: after[k] - before[k] for k in after}
+    computed = (2 * block + 8) + 8 + (2 * block + 1) + 1  # cold, warm (full blocks cached)
+    assert d["local_compute"] == computed and d["external_kv_transfer"] == 0
+    assert d["prompt_tokens_cached"] == d["hits"] == 4 * block
+    assert d["prompt_tokens_recomputed"] == 1  # the warm 2 * block + 1 prompt's last token
+    assert d["local_cache_hit"] == 4 * block + 1
+    total = d["local_compute"] + d["local_cache_hit"] + d["external_kv_transfer"]
+    assert total - d["prompt_tokens_recomputed"] == d["prompt_tokens"]
+    assert d["step_tokens"] == computed + 4  # each request: its prompt chunk, one decode token
+    assert d["steps"] == 8
 
 
 def test_vllm_names_types_and_buckets() -> None:
@@ -364,7 +485,7 @@ def test_openmetrics_only_when_asked() -> None:
 def test_merged_replicas_keep_each_family_whole() -> None:
     """The data-parallel front's merge: each family once, every replica's samples under it with
     a replica label, label values with spaces, braces and escapes intact."""
-    from paged_server.exposition import merge_expositions, with_label
+    from paged_server.exposition import merge_expositions, set_label, with_label
 
     texts = []
     for i in range(2):
@@ -375,14 +496,29 @@ def test_merged_replicas_keep_each_family_whole() -> None:
     merged = parse(merge_expositions(texts))
     assert set(merged) == set(parse(texts[0][1]))
     running = merged["vllm:num_requests_running"].samples
-    assert [(lab["replica"], lab["model_name"], v) for _, lab, v in running] == [
-        ("0", ODD, 0),
-        ("1", ODD, 1),
+    assert [(lab["replica"], lab["engine"], lab["model_name"], v) for _, lab, v in running] == [
+        ("0", "0", ODD, 0),
+        ("1", "1", ODD, 1),
     ]
     ttft = merged["vllm:time_to_first_token_seconds"]
-    assert {lab["replica"] for _, lab, _ in ttft.samples} == {"0", "1"}
+    assert {(lab["replica"], lab["engine"]) for _, lab, _ in ttft.samples} == {
+        ("0", "0"),
+        ("1", "1"),
+    }
+    # vLLM's data-parallel engine index: every sample with an engine label has the replica's
+    for family in merged.values():
+        for _, lab, _ in family.samples:
+            assert lab.get("engine", lab["replica"]) == lab["replica"], family.name
+    http = merged["vllm:http_requests_total"].samples  # the server's own: no engine label
+    assert all("engine" not in lab for _, lab, _ in http)
     assert with_label("x 1", "replica", "0") == 'x{replica="0"} 1'
     assert with_label('x{a="}"} 2', "r", "1") == 'x{a="}",r="1"} 2'
+    # only the label named engine changes, wherever it is, whatever the values before it hold
+    odd = 'x{a="engine=\\"0\\",b",engine="0",z="}"} 3'
+    assert set_label(odd, "engine", "2") == 'x{a="engine=\\"0\\",b",engine="2",z="}"} 3'
+    assert set_label('x{engine="0"} 1', "engine", "1") == 'x{engine="1"} 1'
+    assert set_label('x{a="b"} 1', "engine", "1") == 'x{a="b"} 1'
+    assert set_label("x 1", "engine", "1") == "x 1"
 
 
 def test_real_engine_scrape_parses(real_server) -> None:

@@ -135,9 +135,11 @@ def test_metrics_render_prometheus_text() -> None:
     m.ttft.observe(50.0)
     stats = FakeEngine().get_stats()
     text = m.render(stats)
-    assert 'paged:num_requests_running{model_name="tiny"} 0' in text
-    assert 'paged:time_to_first_token_seconds_bucket{model_name="tiny",le="0.04"} 1' in text
-    assert 'paged:time_to_first_token_seconds_bucket{model_name="tiny",le="+Inf"} 2' in text
+    # vLLM's labels, in prometheus_client's (sorted) order
+    assert 'paged:num_requests_running{engine="0",model_name="tiny"} 0' in text
+    ttft = "paged:time_to_first_token_seconds_bucket"
+    assert f'{ttft}{{engine="0",le="0.04",model_name="tiny"}} 1' in text
+    assert f'{ttft}{{engine="0",le="+Inf",model_name="tiny"}} 2' in text
     assert "# TYPE paged:prompt_tokens_total counter" in text
 
 
@@ -160,7 +162,8 @@ def test_metrics_prefix_renames_every_metric() -> None:
     assert len(samples) > 20 and all(line.startswith("vllm:") for line in samples)
     assert "# TYPE vllm:time_to_first_token_seconds histogram" in text
     assert text == render("tiny").replace("paged:", "vllm:")
-    assert 'vllm:num_requests_waiting{model_name="paged:m"} 0' in render("paged:m", prefix)
+    waiting = 'vllm:num_requests_waiting{engine="0",model_name="paged:m"} 0'
+    assert waiting in render("paged:m", prefix)
     for bad in ("vllm:", "1x", "a-b", ""):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["--metrics-prefix", bad])

@@ -59,9 +59,9 @@ def test_bounds_past_a_million_as_prometheus_client_writes_them() -> None:
     m = Metrics("m", "vllm", max_model_len=2_000_000)
     m.latency.prompt_tokens.observe(1_500_000)
     text = m.render(_stats())
-    assert 'vllm:request_prompt_tokens_bucket{model_name="m",le="1e+06"} 0' in text
-    assert 'vllm:request_prompt_tokens_bucket{model_name="m",le="2e+06"} 1' in text
-    assert 'vllm:request_prompt_tokens_sum{model_name="m"} 1.5e+06' in text
+    assert 'vllm:request_prompt_tokens_bucket{engine="0",le="1e+06",model_name="m"} 0' in text
+    assert 'vllm:request_prompt_tokens_bucket{engine="0",le="2e+06",model_name="m"} 1' in text
+    assert 'vllm:request_prompt_tokens_sum{engine="0",model_name="m"} 1.5e+06' in text
     family = parse(text)["vllm:request_prompt_tokens"]
     assert buckets(family)[-3:] == [500_000.0, 1e6, 2e6]
     assert parse(to_openmetrics(text), openmetrics=True)

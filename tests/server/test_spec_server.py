@@ -72,8 +72,8 @@ def test_speculative_server_matches_the_plain_one(real_server, tiny_model):
         per_pos = {
             int(pos): float(value)
             for pos, value in re.findall(
-                r'^paged:spec_decode_num_accepted_tokens_per_pos_total\{model_name="[^"]*",'
-                r'position="(\d+)"\} (\S+)$',
+                r'^paged:spec_decode_num_accepted_tokens_per_pos_total\{engine="0",'
+                r'model_name="[^"]*",position="(\d+)"\} (\S+)$',
                 text,
                 re.MULTILINE,
             )

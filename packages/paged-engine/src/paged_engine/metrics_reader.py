@@ -2,10 +2,10 @@
 -> `paged_engine.metrics_reader`), named as vLLM names them (`vllm:...`), so a script that
 reads them ports by changing the import.
 
-Counters and gauges come from `EngineStats`; the latency histograms (time to first token,
-between tokens, end to end, in the queue) and the finished-request counter from the requests
-`LLM`'s calls ran (engine/request_latency.py). Every record is labelled with the model name and
-engine "0", as vLLM's one-engine metrics are.
+Counters, gauges and tokens per engine step come from `EngineStats`; the latency histograms
+(time to first token, between tokens, end to end, in the queue) and the finished-request
+counter from the requests `LLM`'s calls ran (engine/request_latency.py). Every record is
+labelled with the model name and engine "0", as vLLM's one-engine metrics are.
 """
 
 from __future__ import annotations
@@ -13,7 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from paged_engine.engine.request_latency import FINISH_REASONS, RequestLatency, go_float
+from paged_engine.engine.request_latency import (
+    FINISH_REASONS,
+    ITERATION_TOKENS_BUCKETS,
+    RequestLatency,
+    go_float,
+)
 
 
 @dataclass
@@ -65,6 +70,14 @@ _COUNTERS = (
     ("vllm:spec_decode_num_drafts", "spec_decode_num_drafts"),
     ("vllm:spec_decode_num_draft_tokens", "spec_decode_num_draft_tokens"),
     ("vllm:spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens"),
+    ("vllm:prompt_tokens_cached", "prompt_tokens_cached"),
+    ("vllm:prompt_tokens_recomputed", "prompt_tokens_recomputed"),
+)
+# vLLM's prompt_tokens_by_source: (source label, EngineStats field)
+_SOURCES = (
+    ("local_compute", "prompt_tokens_local_compute"),
+    ("local_cache_hit", "prompt_tokens_local_cache_hit"),
+    ("external_kv_transfer", "prompt_tokens_external_kv_transfer"),
 )
 
 
@@ -74,6 +87,13 @@ def snapshot(stats: Any, latency: RequestLatency, model_name: str) -> list[Metri
         Gauge(name, dict(labels), float(getattr(stats, field))) for name, field in _GAUGES
     ]
     out += [Counter(name, dict(labels), int(getattr(stats, field))) for name, field in _COUNTERS]
+    out += [
+        Counter("vllm:prompt_tokens_by_source", {**labels, "source": src}, getattr(stats, field))
+        for src, field in _SOURCES
+    ]
+    if stats.mm_cache_queries is not None:  # an image processor cache
+        out.append(Counter("vllm:mm_cache_queries", dict(labels), stats.mm_cache_queries))
+        out.append(Counter("vllm:mm_cache_hits", dict(labels), stats.mm_cache_hits))
     per_pos = stats.spec_decode_num_accepted_tokens_per_pos
     if per_pos:
         out.append(
@@ -82,10 +102,13 @@ def snapshot(stats: Any, latency: RequestLatency, model_name: str) -> list[Metri
     finished = {reason: 0 for reason in FINISH_REASONS} | dict(latency.finished)
     for reason, n in sorted(finished.items()):
         out.append(Counter("vllm:request_success", {**labels, "finished_reason": reason}, int(n)))
-    for h in latency.histograms:
-        cumulative, total, count = h.snapshot()
-        bounds = [go_float(float(b)) for b in h.buckets] + ["+Inf"]  # vLLM's `le` labels
+    histograms = [(h.name, h.buckets, h.snapshot()) for h in latency.histograms]
+    steps = stats.iteration_tokens
+    if steps is not None:
+        histograms.append(("iteration_tokens_total", ITERATION_TOKENS_BUCKETS, steps))
+    for name, buckets, (cumulative, total, count) in histograms:
+        bounds = [go_float(float(b)) for b in buckets] + ["+Inf"]  # vLLM's `le` labels
         out.append(
-            Histogram("vllm:" + h.name, dict(labels), count, total, dict(zip(bounds, cumulative)))
+            Histogram("vllm:" + name, dict(labels), count, total, dict(zip(bounds, cumulative)))
         )
     return out

@@ -14,6 +14,7 @@ from paged_engine.engine.request_latency import go_float
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 OPENMETRICS_CONTENT_TYPE = "application/openmetrics-text; version=1.0.0; charset=utf-8"
 _NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+_PAIR = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')  # a label, value escaped
 
 
 def esc(value: str) -> str:
@@ -60,11 +61,14 @@ def to_openmetrics(text: str) -> str:
     return "".join(line + "\n" for line in out) + "# EOF\n"
 
 
-def merge_expositions(scrapes: list[tuple[str, str]], label: str = "replica") -> str:
+def merge_expositions(
+    scrapes: list[tuple[str, str]], label: str = "replica", engine: str | None = "engine"
+) -> str:
     """Expositions of several servers, (label value, text) each, as one text exposition: each
-    sample gets `label="value"`, each family's HELP and TYPE come once and all its samples
-    follow them together (a parser reads samples that follow another family as a new untyped
-    family, so appending server after server breaks histograms)."""
+    sample gets `label="value"` and its `engine` label (vLLM's data-parallel engine index;
+    each server writes "0") set to the value; each family's HELP and TYPE come once and all its
+    samples follow them together (a parser reads samples that follow another family as a new
+    untyped family, so appending server after server breaks histograms)."""
     heads: dict[str, list[str]] = {}  # family -> its HELP / TYPE lines, in first-seen order
     samples: dict[str, list[str]] = {}
     for value, text in scrapes:
@@ -82,11 +86,27 @@ def merge_expositions(scrapes: list[tuple[str, str]], label: str = "replica") ->
                 if not family or not name.startswith(family):
                     family = name  # a sample of no declared family: untyped, by its own name
                     heads.setdefault(family, [])
+                if engine is not None:
+                    line = set_label(line, engine, value)
                 samples.setdefault(family, []).append(with_label(line, label, value))
     out = []
     for family, lines in heads.items():
         out += lines + samples[family]
     return "".join(line + "\n" for line in out)  # no scrape: "" (a blank line is no exposition)
+
+
+def set_label(sample: str, name: str, value: str) -> str:
+    """One sample line with its label `name` set to `value`; unchanged when it has none."""
+    match = _NAME.match(sample)
+    i = match.end() if match else 0
+    if sample[i : i + 1] != "{":
+        return sample
+    i += 1
+    while (pair := _PAIR.match(sample, i)) is not None:  # name="value" pairs, in order
+        if pair.group(1) == name:
+            return f"{sample[: pair.start(2)]}{esc(value)}{sample[pair.end(2) :]}"
+        i = pair.end() + (sample[pair.end() : pair.end() + 1] == ",")
+    return sample
 
 
 def with_label(sample: str, name: str, value: str) -> str:

@@ -1,7 +1,8 @@
 """GET /metrics: vLLM's metric names under the `paged:` prefix (`--metrics-prefix vllm`: under
 vLLM's own, for dashboards, routers and autoscalers written for it), as Prometheus text 0.0.4,
 or OpenMetrics 1.0 for a scraper that asks (exposition.py: the formats). Histogram buckets are
-cumulative up to `+Inf` == _count.
+cumulative up to `+Inf` == _count. Samples carry vLLM V1's labels, `engine` and `model_name`,
+with label names sorted as prometheus_client writes them.
 
 Histograms (paged_engine.engine.request_latency, shared with `LLM.get_metrics`) are observed on
 the output thread and rendered on HTTP threads, each from a consistent snapshot.
@@ -15,7 +16,12 @@ import time
 from collections import Counter
 from typing import Any
 
-from paged_engine.engine.request_latency import FINISH_REASONS, Histogram, RequestLatency
+from paged_engine.engine.request_latency import (
+    FINISH_REASONS,
+    ITERATION_TOKENS_BUCKETS,
+    Histogram,
+    RequestLatency,
+)
 from paged_server.exposition import (
     CONTENT_TYPE,
     OPENMETRICS_CONTENT_TYPE,
@@ -27,16 +33,34 @@ from paged_server.exposition import (
 )
 
 
-def render_histogram(h: Histogram, labels: str, name: str | None = None) -> list[str]:
+def label_text(labels: dict[str, str]) -> str:
+    """A sample's labels as prometheus_client (so vLLM) writes them: sorted by name, values
+    escaped (`engine="0",le="0.5",model_name="m"`)."""
+    return ",".join(f'{k}="{esc(v)}"' for k, v in sorted(labels.items()))
+
+
+def render_histogram(h: Histogram, labels: dict[str, str], name: str | None = None) -> list[str]:
     """`h` as Prometheus text, named `paged:<name>` (`name`: another name for the same data)."""
-    cumulative, total, count = h.snapshot()
-    name = "paged:" + (name or h.name)
-    lines = [f"# HELP {name} {help_text(h.help)}", f"# TYPE {name} histogram"]
-    for bound, c in zip(h.buckets, cumulative):
-        lines.append(f'{name}_bucket{{{labels},le="{num(float(bound))}"}} {c}')
-    lines.append(f'{name}_bucket{{{labels},le="+Inf"}} {count}')
-    lines.append(f"{name}_sum{{{labels}}} {num(float(total))}")
-    lines.append(f"{name}_count{{{labels}}} {count}")
+    return histogram_lines("paged:" + (name or h.name), h.help, h.buckets, h.snapshot(), labels)
+
+
+def histogram_lines(
+    name: str,
+    doc: str,
+    bounds: tuple[float, ...],
+    snapshot: tuple[list[int], float, int],
+    labels: dict[str, str],
+) -> list[str]:
+    """A histogram family from a snapshot (cumulative counts, +Inf last; sum; count)."""
+    cumulative, total, count = snapshot
+    lab = label_text(labels)
+    lines = [f"# HELP {name} {help_text(doc)}", f"# TYPE {name} histogram"]
+    les = [num(float(b)) for b in bounds] + ["+Inf"]
+    lines += [
+        f"{name}_bucket{{{label_text({**labels, 'le': le})}}} {c}" for le, c in zip(les, cumulative)
+    ]
+    lines.append(f"{name}_sum{{{lab}}} {num(float(total))}")
+    lines.append(f"{name}_count{{{lab}}} {count}")
     return lines
 
 
@@ -103,6 +127,25 @@ _ENGINE_METRICS = (
     ),
     ("paged:num_preemptions_total", "num_preemptions", "counter", "Preemptions (recompute)."),
     (
+        "paged:prompt_tokens_cached_total",
+        "prompt_tokens_cached",
+        "counter",
+        "Prompt tokens not run: prefix-cache hits plus tokens loaded by kv_transfer.",
+    ),
+    (
+        "paged:prompt_tokens_recomputed_total",
+        "prompt_tokens_recomputed",
+        "counter",
+        "Cached prompt tokens run again (the last token of a prompt cached but for it).",
+    ),
+    (
+        "paged:mm_cache_queries_total",
+        "mm_cache_queries",
+        "counter",
+        "Multimodal processor cache queries, in items.",
+    ),
+    ("paged:mm_cache_hits_total", "mm_cache_hits", "counter", "Multimodal cache hits, in items."),
+    (
         "paged:state_snapshots_cached",
         "state_snapshots_cached",
         "gauge",
@@ -160,11 +203,20 @@ _ENGINE_METRICS = (
     ),
 )
 _PER_POS = "paged:spec_decode_num_accepted_tokens_per_pos_total"
+_BY_SOURCE = "paged:prompt_tokens_by_source_total"
+# (vLLM's source label, EngineStats field), in vLLM's order
+_SOURCES = (
+    ("local_compute", "prompt_tokens_local_compute"),
+    ("local_cache_hit", "prompt_tokens_local_cache_hit"),
+    ("external_kv_transfer", "prompt_tokens_external_kv_transfer"),
+)
 
 
 class Metrics:
     def __init__(self, model_name: str, prefix: str = "paged", max_model_len: int | None = None):
-        self.labels = f'model_name="{esc(model_name)}"'
+        # vLLM's labels: one engine per server, index 0 (the data-parallel front sets each
+        # replica's index: exposition.merge_expositions)
+        self.labels = {"engine": "0", "model_name": model_name}
         self.prefix = prefix  # each metric's name is `prefix:...` (check_prefix)
         self.latency = RequestLatency(max_model_len)  # observed on the output thread
         lat = self.latency
@@ -194,7 +246,12 @@ class Metrics:
         return text.encode(), CONTENT_TYPE
 
     def render(self, stats: Any) -> str:
-        lab = self.labels
+        base = self.labels
+        lab = label_text(base)
+
+        def labelled(**extra: str) -> str:  # the base labels and `extra`, in sorted order
+            return label_text({**base, **extra})
+
         lines: list[str] = []
         for name, field, kind, doc in _ENGINE_METRICS:
             value = getattr(stats, field, None)
@@ -202,22 +259,35 @@ class Metrics:
                 continue
             lines += [f"# HELP {name} {help_text(doc)}", f"# TYPE {name} {kind}"]
             lines.append(f"{name}{{{lab}}} {num(value)}")
+        if getattr(stats, _SOURCES[0][1], None) is not None:  # vLLM's, one sample per source
+            lines += [
+                f"# HELP {_BY_SOURCE} Prompt tokens by source: run (local_compute), found in the "
+                "prefix cache (local_cache_hit), loaded by kv_transfer (external_kv_transfer).",
+                f"# TYPE {_BY_SOURCE} counter",
+            ]
+            lines += [
+                f"{_BY_SOURCE}{{{labelled(source=source)}}} {num(getattr(stats, field))}"
+                for source, field in _SOURCES
+            ]
         per_pos = getattr(stats, "spec_decode_num_accepted_tokens_per_pos", None)
         if per_pos:  # vLLM's labelled counter: one sample per draft position
             lines += [
                 f"# HELP {_PER_POS} Speculative decoding: drafts accepted up to each position.",
                 f"# TYPE {_PER_POS} counter",
             ]
-            lines += [f'{_PER_POS}{{{lab},position="{j}"}} {n}' for j, n in enumerate(per_pos)]
+            lines += [
+                f"{_PER_POS}{{{labelled(position=str(j))}}} {n}" for j, n in enumerate(per_pos)
+            ]
         if getattr(stats, "max_loras", 0):  # vLLM's info gauge: the value is the time
-            running = ",".join(stats.running_lora_adapters)
-            waiting = ",".join(stats.waiting_lora_adapters)
+            info = labelled(
+                max_lora=str(stats.max_loras),
+                running_lora_adapters=",".join(stats.running_lora_adapters),
+                waiting_lora_adapters=",".join(stats.waiting_lora_adapters),
+            )
             lines += [
                 "# HELP paged:lora_requests_info LoRA adapters of running and waiting requests.",
                 "# TYPE paged:lora_requests_info gauge",
-                f'paged:lora_requests_info{{{lab},max_lora="{stats.max_loras}",'
-                f'running_lora_adapters="{esc(running)}",'
-                f'waiting_lora_adapters="{esc(waiting)}"}} {num(time.time())}',
+                f"paged:lora_requests_info{{{info}}} {num(time.time())}",
             ]
         state = getattr(stats, "sleep_state", None)
         if state is not None:  # vLLM's: one sample per state, 1 for the current one
@@ -228,22 +298,30 @@ class Metrics:
                 "# TYPE paged:engine_sleep_state gauge",
             ]
             lines += [
-                f'paged:engine_sleep_state{{{lab},sleep_state="{s}"}} {int(s == state)}'
+                f"paged:engine_sleep_state{{{labelled(sleep_state=s)}}} {int(s == state)}"
                 for s in ("awake", "weights_offloaded", "discard_all")
             ]
         block_size = getattr(stats, "block_size", None)
         if block_size is not None:  # vLLM's info gauge; routers read block_size, num_gpu_blocks
+            info = labelled(
+                block_size=str(block_size),
+                num_gpu_blocks=str(stats.num_total_blocks),
+                num_cpu_blocks=str(getattr(stats, "num_cpu_blocks", 0)),
+            )
             lines += [
                 "# HELP paged:cache_config_info KV-cache configuration (labels); the value is 1.",
                 "# TYPE paged:cache_config_info gauge",
-                f'paged:cache_config_info{{{lab},block_size="{block_size}",'
-                f'num_gpu_blocks="{stats.num_total_blocks}",'
-                f'num_cpu_blocks="{getattr(stats, "num_cpu_blocks", 0)}"}} 1',
+                f"paged:cache_config_info{{{info}}} 1",
             ]
+        steps = getattr(stats, "iteration_tokens", None)
+        if steps is not None:  # the engine's, vLLM's buckets
+            doc = "Tokens per engine step: prompt chunks, decode tokens and drafts it runs."
+            name = "paged:iteration_tokens_total"
+            lines += histogram_lines(name, doc, ITERATION_TOKENS_BUCKETS, steps, base)
         for h in self.latency.histograms:
-            lines += render_histogram(h, lab)
+            lines += render_histogram(h, base)
         # vLLM's name for the inter-token histogram before 0.11, still in its Grafana dashboard
-        lines += render_histogram(self.itl, lab, "time_per_output_token_seconds")
+        lines += render_histogram(self.itl, base, "time_per_output_token_seconds")
         lines += [
             "# HELP paged:request_success_total Finished requests (one per prompt, whatever its n) "
             "by the finish reason of its first sequence.",
@@ -251,7 +329,7 @@ class Metrics:
         ]
         finished = {reason: 0 for reason in FINISH_REASONS} | dict(self.finished)
         for reason, n in sorted(finished.items()):
-            lines.append(f'paged:request_success_total{{{lab},finished_reason="{reason}"}} {n}')
+            lines.append(f"paged:request_success_total{{{labelled(finished_reason=reason)}}} {n}")
         lines += [
             "# HELP paged:request_aborted_total Requests aborted by client disconnects.",
             "# TYPE paged:request_aborted_total counter",

@@ -58,6 +58,7 @@ from paged_engine.core.sched_output import SchedulerOutput
 from paged_engine.core.scheduler import Scheduler, SchedulerStuckError
 from paged_engine.core.step_apply import StepApplier
 from paged_engine.core.step_isolation import RequestFailedError, StepIsolation
+from paged_engine.engine.request_latency import ITERATION_TOKENS_BUCKETS, Histogram
 from paged_engine.executor.base import EngineDeadError, Executor, RunnerOutputHandle
 
 if TYPE_CHECKING:
@@ -99,6 +100,11 @@ class EngineCore(StepApplier, StepIsolation):
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.peak_used_blocks = 0
+        # tokens each submitted step runs (prompt chunks, decode tokens, drafts): vLLM's
+        # iteration_tokens_total; observed on the engine thread, read on others
+        self.iteration_tokens = Histogram(
+            "iteration_tokens_total", "Tokens per engine step.", ITERATION_TOKENS_BUCKETS
+        )
         # Sleep mode / pause_generation: nothing is scheduled (requests wait). `held`: outputs
         # made outside a step (the steps a pause drained, requests it aborted), which the next
         # step() returns first.
@@ -290,6 +296,8 @@ class EngineCore(StepApplier, StepIsolation):
                 else:
                     self._in_flight.append((sched, self.executor.execute_model(sched)))
                     submitted = not sched.is_empty
+                    if submitted:
+                        self.iteration_tokens.observe(sched.num_batched_tokens)
                     if submitted and self.max_concurrent_batches > 1:
                         self._mark_busy(sched)
             except EngineDeadError:

@@ -60,7 +60,7 @@ from paged_engine.core.request import Request, RequestStatus, Sequence, Sequence
 from paged_engine.core.sched_output import SchedulerOutput
 from paged_engine.core.seq_lifecycle import SeqLifecycle
 from paged_engine.core.state_slots import StateSlots
-from paged_engine.core.step_emit import StepEmitter
+from paged_engine.core.step_emit import PromptTokenSources, StepEmitter
 from paged_engine.core.step_isolation import BatchCap, LoneSteps
 from paged_engine.core.token_plan import plan_tokens, whole_image_plan, whole_images
 from paged_engine.kv_transfer.connector import KVConnector
@@ -121,6 +121,7 @@ class Scheduler(SeqLifecycle, Preemption, PrefixLookup, StepEmitter, LoneSteps):
         self.seqs: dict[int, Sequence] = {}  # every live sequence of those requests
         self.num_preemptions = 0  # total, for metrics
         self.num_swap_preemptions = 0  # of those, by swap
+        self.prompt_sources = PromptTokenSources()  # at first scheduling, for metrics
         self.preemption_mode = preemption_mode
         self._reshare: set[Request] = (
             set()

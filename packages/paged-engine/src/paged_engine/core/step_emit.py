@@ -12,6 +12,7 @@ row copies and the KV connector's loads / saves ride along with the step.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from paged_engine.core.request import Request, Sequence
@@ -27,6 +28,32 @@ if TYPE_CHECKING:
     from paged_engine.kv_transfer.connector import KVConnector
 
 
+@dataclass(slots=True)
+class PromptTokenSources:
+    """Prompt tokens by source, counted at each request's first scheduling (vLLM's
+    prompt_tokens_by_source / _cached / _recomputed, which it counts at the prefill's output).
+
+    computed + local_cache_hit + external_kv_transfer - recomputed == prompt tokens, and
+    local_cache_hit + external_kv_transfer - recomputed == cached. `recomputed`: 1 for a
+    request whose cache hit left only its last token to run (a hit is capped there so that its
+    logits exist); vLLM counts that token as a hit and as recomputed."""
+
+    computed: int = 0  # prompt tokens the model runs
+    local_cache_hit: int = 0  # found in the prefix cache (GPU or CPU tier)
+    external_kv_transfer: int = 0  # loaded by the kv_transfer connector
+    cached: int = 0  # not run: local hits plus loaded tokens
+    recomputed: int = 0
+
+    def count(self, num_prompt_tokens: int, num_local: int, num_external: int) -> None:
+        cached = num_local + num_external
+        recomputed = int(cached + 1 == num_prompt_tokens)
+        self.computed += num_prompt_tokens - cached
+        self.local_cache_hit += num_local + recomputed
+        self.external_kv_transfer += num_external
+        self.cached += cached
+        self.recomputed += recomputed
+
+
 class StepEmitter:
     """Builds the step's `SchedulerOutput` from the plan (mixed into `Scheduler`)."""
 
@@ -39,6 +66,7 @@ class StepEmitter:
     _next_step_id: int
     _finished_seq_ids: list[int]
     _drafts: dict[int, list[int]]
+    prompt_sources: PromptTokenSources
 
     def _emit(
         self, planned: list[tuple[Sequence, int]], admitted: list[Request]
@@ -55,6 +83,9 @@ class StepEmitter:
                 req.first_scheduled_time = now
                 first = req.seqs[0]
                 req.num_cached_tokens = first.num_cached_tokens + first.num_external_tokens
+                self.prompt_sources.count(
+                    req.num_prompt_tokens, first.num_cached_tokens, first.num_external_tokens
+                )
         out.seq_ids = [seq.seq_id for seq, _ in planned]
         out.num_new_tokens = num_new = [n for _, n in planned]
         out.start_positions = [seq.num_computed_tokens for seq, _ in planned]

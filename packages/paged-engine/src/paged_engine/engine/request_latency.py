@@ -33,6 +33,10 @@ E2E_BUCKETS = (
     240.0, 480.0, 960.0, 1920.0, 7680.0,
 )  # fmt: skip
 N_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0)
+# vLLM's iteration_tokens_total buckets (tokens per engine step)
+ITERATION_TOKENS_BUCKETS = (
+    1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0,
+)  # fmt: skip
 
 
 # vLLM's finish reasons: each request_success series exists (at 0) from the start, so rate()

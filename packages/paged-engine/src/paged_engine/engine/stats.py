@@ -70,12 +70,28 @@ class EngineStats:
     # in storage, and the tokens loaded from it (counted as computed, never run)
     external_prefix_cache_queries: int = 0
     external_prefix_cache_hits: int = 0
+    # Prompt tokens by source at each request's first scheduling (vLLM's
+    # prompt_tokens_by_source{source}, prompt_tokens_cached, prompt_tokens_recomputed;
+    # core/step_emit.py PromptTokenSources)
+    prompt_tokens_local_compute: int = 0
+    prompt_tokens_local_cache_hit: int = 0
+    prompt_tokens_external_kv_transfer: int = 0
+    prompt_tokens_cached: int = 0
+    prompt_tokens_recomputed: int = 0
+    # Tokens per engine step (vLLM's iteration_tokens_total): cumulative count per bucket of
+    # ITERATION_TOKENS_BUCKETS (+Inf last), sum, count (engine_core.iteration_tokens).
+    iteration_tokens: tuple[list[int], float, int] | None = None
+    # The multimodal processor cache (mm_processor_cache_gb; vLLM's mm_cache_queries /
+    # mm_cache_hits): images looked up and found (None without one)
+    mm_cache_queries: int | None = None
+    mm_cache_hits: int | None = None
 
 
 def engine_stats(engine: LLMEngine) -> EngineStats:
     sched, core = engine.scheduler, engine.engine_core
     bm = engine.block_manager.stats(sched.running_seqs())
     allocated = bm.num_slots_allocated
+    sources = sched.prompt_sources
     return EngineStats(
         num_running=sched.num_running,
         num_waiting=sched.num_waiting,
@@ -100,11 +116,27 @@ def engine_stats(engine: LLMEngine) -> EngineStats:
         num_swap_preemptions=sched.num_swap_preemptions,
         prefix_cache_cpu_hits=bm.prefix_cache_cpu_hits,
         sleep_state=engine.sleep_mode.state(),
+        prompt_tokens_local_compute=sources.computed,
+        prompt_tokens_local_cache_hit=sources.local_cache_hit,
+        prompt_tokens_external_kv_transfer=sources.external_kv_transfer,
+        prompt_tokens_cached=sources.cached,
+        prompt_tokens_recomputed=sources.recomputed,
+        iteration_tokens=core.iteration_tokens.snapshot(),
+        **_mm_cache_stats(engine),
         **_spec_stats(engine.draft_planner),
         **_lora_stats(engine),
         **_state_stats(engine),
         **_kv_transfer_stats(engine),
     )
+
+
+def _mm_cache_stats(engine: LLMEngine) -> dict[str, Any]:
+    images = engine.input_processor.images
+    cache = None if images is None else images.cache
+    if cache is None:
+        return {}
+    hits = cache.hits  # read once: queries >= hits while request threads count
+    return {"mm_cache_queries": hits + cache.misses, "mm_cache_hits": hits}
 
 
 def _kv_transfer_stats(engine: LLMEngine) -> dict[str, Any]:

@@ -1,12 +1,14 @@
-"""A process that owns a tensor_parallel_size=2 engine, for the teardown tests.
+"""A process that owns tensor_parallel_size=2 engines, one after another, for the teardown tests.
 
-    python tp_owner.py MODEL MODE
+    python tp_owner.py MODEL
 
-Prints `PIDS [..]` (its worker ranks) and `FORKSERVER pid` once the engine is up, then MODE:
-`exit` (return without shutdown), `del` (drop the LLM, then idle), `loop` (generate until a
-signal ends it, printing `STEP` after each call), `kill-worker` (SIGKILL rank 1, then report
-what check_health and the next two calls raise), `worker-error` (an exception inside a call on
-every rank, then how the next two calls fail).
+Reads one MODE a line from stdin. For each it builds a fresh engine, prints `PIDS [..]` (its
+worker ranks) and `FORKSERVER pid` once the engine is up, generates once, then runs MODE:
+`exit` (return from main without shutdown: the process ends with the engine up), `del` (drop
+the LLM), `loop` (generate until a signal ends the process, printing `STEP` after each call),
+`kill-worker` (SIGKILL rank 1, then report what check_health and the next two calls raise),
+`worker-error` (an exception inside a call on every rank, then how the next two calls fail).
+A mode that returns prints `DONE`, and the process waits for the next; stdin's end ends it.
 """
 
 from __future__ import annotations
@@ -23,20 +25,10 @@ from multiprocessing import forkserver
 from paged_engine.distributed.launch import forkserver_context
 
 
-def main() -> None:
-    # The engine's own forkserver (the engine finds it running), started before the engine's
-    # imports so that its preload runs beside them, not after them. Those imports stay in
-    # here: each rank imports this file again as its `__mp_main__`.
-    forkserver_context()
+def run_mode(model: str, mode: str) -> None:
     from paged_engine import LLM, SamplingParams
     from paged_engine.executor.base import EngineDeadError
 
-    model, mode = sys.argv[1], sys.argv[2]
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test's dump of a hang
-    # Ctrl-C's handler, as in a terminal: a process started from a background job (`cmd &` in a
-    # script, nohup) inherits SIGINT *ignored*, and would go on generating through the test's
-    # SIGINT.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
     llm = LLM(model=model, dtype="float32", max_model_len=128, tensor_parallel_size=2)
     pids = [p.pid for p in llm.llm_engine.executor._procs]
     print("PIDS", json.dumps(pids), flush=True)
@@ -44,13 +36,10 @@ def main() -> None:
     print("FORKSERVER", forkserver._forkserver._forkserver_pid, flush=True)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     llm.generate(["hello"], params, use_tqdm=False)
-    if mode == "exit":
-        return
     if mode == "del":
         del llm
         gc.collect()
         print("DELETED", flush=True)
-        time.sleep(60)
     elif mode == "loop":
         print("LOOPING", flush=True)
         while True:
@@ -81,6 +70,26 @@ def main() -> None:
                 llm.generate(["hello"], params, use_tqdm=False)
             except EngineDeadError as e:
                 print(f"DEAD{attempt} {e}", flush=True)
+    elif mode != "exit":
+        raise ValueError(f"unknown mode {mode!r}")
+
+
+def main() -> None:
+    # The engine's own forkserver (the engine finds it running), started before the engine's
+    # imports so that its preload runs beside them, not after them. Those imports stay in
+    # functions: each rank imports this file again as its `__mp_main__`.
+    forkserver_context()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test's dump of a hang
+    # Ctrl-C's handler, as in a terminal: a process started from a background job (`cmd &` in a
+    # script, nohup) inherits SIGINT *ignored*, and would go on generating through the test's
+    # SIGINT.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    model = sys.argv[1]
+    while mode := sys.stdin.readline().strip():
+        run_mode(model, mode)
+        if mode == "exit":  # its engine not shut down: the process ends with it up
+            return
+        print("DONE", flush=True)
 
 
 if __name__ == "__main__":

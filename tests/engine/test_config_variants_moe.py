@@ -22,6 +22,7 @@ run it) was once served with part of each norm weight.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -550,19 +551,30 @@ CHUNKED = [
 ]
 
 
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    """case -> (checkpoint, prompts, HF's greedy references), made once for both tests."""
+    cache: dict[str, tuple[Path, list, list]] = {}
+
+    def refs(case: str) -> tuple[Path, list, list]:
+        if case not in cache:
+            arch, overrides, lengths = CASES[case]
+            path = write_tiny_model(tmp_path_factory.mktemp("variant"), arch, seed=1, **overrides)
+            cache[case] = (path, *hf_refs(path, lengths))
+        return cache[case]
+
+    return refs
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_moe_hybrid_config_variant_matches_hf(case, tmp_path):
-    arch, overrides, lengths = CASES[case]
-    path = write_tiny_model(tmp_path, arch, seed=1, **overrides)
-    prompts, refs = hf_refs(path, lengths)
+def test_moe_hybrid_config_variant_matches_hf(case, references):
+    path, prompts, refs = references(case)
     serve_and_compare(case, path, prompts, refs)
 
 
 @pytest.mark.parametrize("case", CHUNKED)
-def test_moe_hybrid_config_variant_chunked_prefill_and_prefix_cache(case, tmp_path):
-    arch, overrides, lengths = CASES[case]
-    path = write_tiny_model(tmp_path, arch, seed=1, **overrides)
-    prompts, refs = hf_refs(path, lengths)
+def test_moe_hybrid_config_variant_chunked_prefill_and_prefix_cache(case, references):
+    path, prompts, refs = references(case)
     serve_and_compare(case, path, prompts, refs, passes=2, **CHUNKED_PREFIX_CACHE)
 
 

@@ -11,6 +11,7 @@ max_model_len): vLLM's length and dtype, and the KV / state pool sized for it.""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -154,8 +155,8 @@ def test_hybrid_release_config_chunked_prefill_and_prefix_cache(name, references
 
 
 @pytest.mark.parametrize("name", RESAVED)
-def test_hybrid_release_config_as_transformers5_saves_it(name, tmp_path):
-    path = write_release(tmp_path / name, shrink_hybrid(release_hybrid(name)))
+def test_hybrid_release_config_as_transformers5_saves_it(name, checkpoint, tmp_path):
+    path = Path(shutil.copytree(checkpoint(name), tmp_path / name))  # (resaved in the copy)
     before = json.loads((path / "config.json").read_text())
     transformers.AutoConfig.from_pretrained(path).save_pretrained(path)
     assert json.loads((path / "config.json").read_text()) != before

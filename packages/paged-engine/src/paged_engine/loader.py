@@ -367,6 +367,28 @@ def building_in(dtype: torch.dtype, device: torch.device | str) -> Iterator[None
         torch.set_default_dtype(old_dtype)
 
 
+def multi_axis_positions(hf_config) -> bool:
+    """Whether the model's prompts may carry M-RoPE position tables (worker/rope_positions.py),
+    whose positions run past max_model_len (a video's time axis, text shifted after images):
+    an image wrapper whose layout has M-RoPE, and (not told apart here) every video or audio
+    wrapper. Otherwise every rope position is a sequence position, below max_model_len."""
+    from paged_engine.multimodal.archs import KINDS
+    from paged_engine.multimodal.audio_archs import AUDIO_ARCHS
+
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    if any(a in AUDIO_ARCHS for a in archs):
+        return True
+    kinds = [KINDS[a] for a in archs if a in KINDS]
+    if not kinds:  # a text model (every video wrapper is an image wrapper too)
+        return False
+    from paged_engine.multimodal.layout_table import LAYOUTS
+    from paged_engine.multimodal.video_archs import VIDEO_ARCHS
+
+    if any(a in VIDEO_ARCHS for a in archs):
+        return True
+    return any(getattr(LAYOUTS.get(k), "mrope", True) for k in kinds)
+
+
 def load_model(
     resolved: ResolvedModel,
     hf_config,
@@ -381,7 +403,8 @@ def load_model(
     """Build the model directly on `device` in `dtype` and fill its weights; `quantization`
     ("int8" / "int4", CPU) then quantizes its linear layers (layers/quantization.py), or
     KEEP_CODES keeps a 4-bit checkpoint's codes (packed_codes.py);
-    `max_model_len` (the engine's) picks length-dependent rope scalings (longrope)."""
+    `max_model_len` (the engine's) picks length-dependent rope scalings (longrope) and, unless
+    the model has M-RoPE positions (`multi_axis_positions`), the rope tables' length."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; choose from {LOAD_FORMATS}")
     cls = get_model_class(hf_config)
@@ -392,7 +415,12 @@ def load_model(
         quantization == KEEP_CODES
         or (quantization == "int4" and keeps_codes(packed_scheme(hf_config)))
     )
-    with building_in(dtype, device), rope_context_len(max_model_len), deferred_weights(codes):
+    bounded = not multi_axis_positions(hf_config)
+    with (
+        building_in(dtype, device),
+        rope_context_len(max_model_len, bounded_positions=bounded),
+        deferred_weights(codes),
+    ):
         model = cls(hf_config)
     if load_format == "dummy":
         init_dummy_weights(model, seed)

@@ -4,8 +4,9 @@ Supports partial rotary (only the first `rotary_dim` of each head rotates: GPT-N
 NeoX style (rotate halves) or GPT-J style (rotate interleaved pairs), and HF's frequency
 scalings `linear`, `llama3`, `dynamic` (NTK), `yarn` and `longrope`, each computed as
 transformers' `ROPE_INIT_FUNCTIONS` does (the same float32 ops, so the same bits). cos/sin are
-precomputed in float32 for `max_position` positions, times the scaling's attention factor (yarn,
-longrope), as HF scales its cos/sin.
+precomputed in float32 for the positions a rope serves (`get_rope`: the engine's max_model_len
+where positions are proven below it, else max_position_embeddings or a static scaling's
+context), times the scaling's attention factor (yarn, longrope), as HF scales its cos/sin.
 """
 
 from __future__ import annotations
@@ -24,15 +25,23 @@ from paged_engine.layers.norm import GemmaRMSNorm, RMSNorm
 # The engine's max_model_len while a model is built (`rope_context_len`): the longest sequence
 # the ropes serve, which picks longrope's factor set. None: the config's max_position_embeddings.
 _CONTEXT_LEN: ContextVar[int | None] = ContextVar("rope_context_len", default=None)
+# Set where the builder proves that every position a plain rope built now turns is below it
+# (the engine's max_model_len over 1-D sequence positions): `get_rope` then holds only that many
+# rows. None: the table spans the config's positions.
+_POSITION_LIMIT: ContextVar[int | None] = ContextVar("rope_position_limit", default=None)
 
 
 @contextmanager
-def rope_context_len(max_model_len: int | None) -> Iterator[None]:
-    """Ropes built inside serve sequences of at most `max_model_len` tokens."""
+def rope_context_len(max_model_len: int | None, bounded_positions: bool = False) -> Iterator[None]:
+    """Ropes built inside serve sequences of at most `max_model_len` tokens. With
+    `bounded_positions` the caller also vouches that every position a plain rope (one of
+    `get_rope` that is not M-RoPE) turns is below `max_model_len`, so its tables stop there."""
     token = _CONTEXT_LEN.set(max_model_len)
+    limit = _POSITION_LIMIT.set(max_model_len if bounded_positions else None)
     try:
         yield
     finally:
+        _POSITION_LIMIT.reset(limit)
         _CONTEXT_LEN.reset(token)
 
 
@@ -168,7 +177,8 @@ def scaled_inv_freq(
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for positions [0, max_position) and the rotation of q and k heads.
+    """cos/sin tables for positions [0, num_positions or max_position) and the rotation of q
+    and k heads.
 
     longrope: HF uses the short factors while a sequence is at most
     `original_max_position_embeddings` long, and the long ones for all its positions once it is
@@ -616,6 +626,14 @@ def get_rope(
     # a yarn / linear table runs as far as the engine's max_model_len (scaled_context_limit)
     rows = max(max_position, context_len or 0) if kind in _STATIC_SCALINGS else max_position
     section = mrope_section(config)
+    limit = _POSITION_LIMIT.get()
+    if section is None and limit is not None:
+        # Invariant (rope_context_len's caller): every position this rope turns is below
+        # `limit`. Row p's angles are p * inv_freq whatever the table's length, so these rows
+        # are the longer table's first ones (the scaling above still reads max_position and
+        # context_len). M-RoPE positions run past max_model_len (video time, shifted text):
+        # those tables keep every row.
+        rows = min(rows, limit)
     if section is not None and not section[1] and sum(section[0]) * 2 != int(head_dim * partial):
         section = None  # sections that do not cover the rotary dims: text only, a plain rope
     extra: dict[str, Any] = {}

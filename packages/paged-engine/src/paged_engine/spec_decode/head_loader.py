@@ -3,6 +3,10 @@
 heads ({"method": "eagle", ...}: models/llama_eagle.py, minicpm_eagle.py, deepseek_eagle.py)
 and the target's own MTP layer ({"method": "mtp"}: models/mtp.py, mimo_mtp.py, mtp_more.py).
 Errors are ValueErrors naming speculative_config.
+
+A head runs at sequence positions below max_model_len (drafts never pass it: the planner's
+room), so its plain ropes hold max_model_len rows (`rope_context_len(bounded_positions=True)`);
+a head turning the target's M-RoPE positions has an MRotaryEmbedding, which keeps every row.
 """
 
 from __future__ import annotations
@@ -160,7 +164,10 @@ def attach_eagle3_head(runner: ModelRunner, name: str) -> None:
     dtype = next(runner.model.parameters()).dtype
     reach_max_model_len(hf_config, config.max_model_len)
     logger.info("loading the EAGLE-3 head %s", name)
-    with building_in(dtype, runner.device), rope_context_len(config.max_model_len):
+    with (
+        building_in(dtype, runner.device),
+        rope_context_len(config.max_model_len, bounded_positions=True),
+    ):
         head = Eagle3LlamaForCausalLM(hf_config)
     if config.load_format == "dummy":
         init_dummy_weights(head, config.seed)
@@ -224,7 +231,10 @@ def attach_eagle_head(runner: ModelRunner, name: str) -> None:
     if deepseek_eagle_kind(resolved.path, hf_config) is not None:  # DeepSeek-V3 / Large 3 layers
         attach_deepseek_eagle_head(runner, resolved, hf_config)
         return
-    with building_in(dtype, runner.device), rope_context_len(config.max_model_len):
+    with (
+        building_in(dtype, runner.device),
+        rope_context_len(config.max_model_len, bounded_positions=True),
+    ):
         minicpm = is_minicpm_eagle_config(hf_config)  # vLLM's EagleMiniCPMForCausalLM
         head = (EagleMiniCPMHead if minicpm else EagleLlamaHead)(hf_config)
     if config.load_format == "dummy":
@@ -301,7 +311,10 @@ def load_mtp_layer(
 
     config, hf_config = runner.config, runner.hf_config
     dtype = next(runner.model.parameters()).dtype
-    with building_in(dtype, runner.device), rope_context_len(config.max_model_len):
+    with (
+        building_in(dtype, runner.device),
+        rope_context_len(config.max_model_len, bounded_positions=True),
+    ):
         head = make()
     if config.load_format == "dummy":
         init_dummy_weights(head, config.seed)

@@ -76,6 +76,15 @@ def test_compiled_forward_matches_eager(tiny_model_factory, arch):
 
 
 needs_fp16_gemm = pytest.mark.skipif(not fp16_gemm_available(), reason="no fbgemm fp16 GEMM")
+FP16 = {"quantization": "fp16", "compilation_config": 3}
+
+
+@pytest.fixture(scope="module")
+def compiled_fp16_llama(tiny_model_factory):
+    """_run over the tiny llama with fp16 weights, compiled: the fp16 case below and the first
+    engine of test_engines_of_one_class_keep_their_own_graphs (each engine's compile is most of
+    either test's time)."""
+    return _run(tiny_model_factory("llama"), PROMPTS, PROMPTS[1:2], **FP16)
 
 
 @pytest.mark.parametrize(
@@ -86,14 +95,17 @@ needs_fp16_gemm = pytest.mark.skipif(not fp16_gemm_available(), reason="no fbgem
         ("int4", "llama"),
     ],
 )
-def test_compiled_quantized_weights_match_eager(tiny_model_factory, quantization, arch):
+def test_compiled_quantized_weights_match_eager(request, tiny_model_factory, quantization, arch):
     """fbgemm's fp16 GEMM and the int4 kernels run as the opaque paged_engine::linear operator;
     int8 layers trace their single-row GEMV into the graph (on reordered weights) and run the
     operator for more rows."""
     model = tiny_model_factory(arch)
     options = {"quantization": quantization}
     # Then one sequence alone: every decode step (and its logits) is a single-row graph.
-    _, runner, got = _run(model, PROMPTS, PROMPTS[1:2], compilation_config=3, **options)
+    if quantization == "fp16":
+        _, runner, got = request.getfixturevalue("compiled_fp16_llama")
+    else:
+        _, runner, got = _run(model, PROMPTS, PROMPTS[1:2], compilation_config=3, **options)
     assert runner.compiled is not None
     assert (runner.compiled.head is not None) == (quantization == "int8")
     _, _, want = _run(model, PROMPTS, PROMPTS[1:2], **options)
@@ -101,20 +113,24 @@ def test_compiled_quantized_weights_match_eager(tiny_model_factory, quantization
 
 
 @needs_fp16_gemm
-def test_engines_of_one_class_keep_their_own_graphs(tiny_model_factory):
+def test_engines_of_one_class_keep_their_own_graphs(tiny_model_factory, compiled_fp16_llama):
     """Guards on modules are dropped, so each engine compiles its own code object: a second
     model of the same class and shapes must not run the first engine's graphs, which name the
     first model's fp16 weights by their operator handles."""
-    first_dir = tiny_model_factory("llama")
+    first = compiled_fp16_llama[0]  # compiled before the second engine, as _run builds it
+    graphs = _graphs()
+    got_first = [
+        (o.outputs[0].token_ids, o.outputs[0].logprobs)
+        for o in first.generate(PROMPTS[:2], PARAMS, use_tqdm=False)
+    ]
+    assert _graphs() == graphs
     second_dir = tiny_model_factory("llama", seed=1)
-    options = {"quantization": "fp16", "compilation_config": 3}
-    first, _, got_first = _run(first_dir, PROMPTS[:2], **options)
-    second, _, got_second = _run(second_dir, PROMPTS[:2], **options)
+    second, _, got_second = _run(second_dir, PROMPTS[:2], **FP16)
     _, _, want_second = _run(second_dir, PROMPTS[:2], quantization="fp16")
     _assert_same(got_second, want_second)
     # The first engine still serves with its own graphs after the second compiled.
     again = first.generate(PROMPTS[:2], PARAMS, use_tqdm=False)
-    _assert_same([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in again], got_first[0])
+    _assert_same([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in again], got_first)
     del second
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_attention import MIXED, make_batch  # tests/kernels is on sys.path
+from test_attention import make_batch  # tests/kernels is on sys.path
 
 from paged_kernels import (
     copy_blocks,
@@ -22,6 +22,13 @@ from paged_kernels.reference import ref_dequantize, ref_quantize
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 FMAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+# (q_lens, ctx_lens), MIXED's kinds of rows in fewer tokens (the interpreter walks every tile):
+# a decode row over 6 blocks (key tiles of 16 and 64, the last partial), a fresh prefill over
+# 2 (16-bit) or 3 (fp32) query tiles, the last partial, a chunked prefill after a cached context
+FP8_MIXED = ([1, 19, 3], [90, 0, 21])
+# decode rows for split-KV (3 splits): 261 keys in splits of 2, 2 and 1 partial 64-key tiles (6,
+# 6 and 5 of 16 keys in fp32); 41 keys: one partial tile, two empty splits
+FP8_SPLIT = ([1, 1, 1], [200, 40, 260])
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -53,11 +60,13 @@ def test_quantize_every_fp16_value(device, cache_dtype):
 @pytest.mark.parametrize("scales", [(1.0, 1.0), (0.02, 0.5), (3.0, 7.0)])
 def test_write_kv_cache_fp8(seed, device, cache_dtype, dtype, scales):
     k_scale, v_scale = scales
-    num_blocks, block_size, heads, head_dim, num_tokens = 12, 16, 3, 80, 70
+    # a program per token (interpreted): 24 tokens in random slots of the 12 blocks, every
+    # fourth padding (-1); head_dim 80: a partial 128-wide tile
+    num_blocks, block_size, heads, head_dim, num_tokens = 12, 16, 3, 80, 24
     kv = (torch.randn(num_tokens, 2, heads, head_dim, device=device) * 4).to(dtype)
     key, value = kv[:, 0], kv[:, 1]  # strided, as views of a fused projection
     slots = torch.randperm(num_blocks * block_size, device=device)[:num_tokens]
-    slots[torch.rand(num_tokens, device=device) < 0.25] = -1
+    slots[1::4] = -1
     caches = [
         torch.randn(num_blocks, block_size, heads, head_dim, device=device).to(cache_dtype)
         for _ in range(2)
@@ -91,10 +100,9 @@ def test_paged_attention_fp8_cache(seed, device, cache_dtype, dtype, num_splits)
     scale = 64**-0.5
     tol = {torch.float32: 2e-3, torch.float16: 1e-2, torch.bfloat16: 3e-2}[dtype]
     shape = {"num_heads": 8, "num_kv_heads": 2, "head_dim": 64, "block_size": 16}
-    if num_splits == 1:
-        b = make_batch(*MIXED, **shape, dtype=dtype, device=device)
-    else:
-        b = make_batch([1, 1, 1], [300, 40, 500], **shape, dtype=dtype, device=device)
+    b = make_batch(
+        *(FP8_MIXED if num_splits == 1 else FP8_SPLIT), **shape, dtype=dtype, device=device
+    )
     key_cache = ref_quantize(b.key_cache, cache_dtype, k_scale)
     value_cache = ref_quantize(b.value_cache, cache_dtype, v_scale)
     args = (b.q, key_cache, value_cache, b.block_tables, b.cu_seqlens_q, b.seq_lens, scale)
@@ -117,7 +125,7 @@ def test_fp8_attention_close_to_unquantized(seed, device):
     """What fp8 costs: attention over an e4m3 cache stays within a few percent of the fp32
     cache it was quantized from (the engine tests bound the effect on tokens)."""
     b = make_batch(
-        *MIXED, num_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
+        *FP8_MIXED, num_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
         dtype=torch.float32, device=device,
     )  # fmt: skip
     scale = 64**-0.5

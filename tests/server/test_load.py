@@ -183,13 +183,16 @@ def test_a_lost_rank_while_idle_shuts_the_server_down_with_exit_code_1(tmp_path)
     assert "shutting down" in log and "exiting with code 1: " in log and LOST_RANK in log
 
 
-def test_keep_alive_on_engine_death_answers_503_naming_the_lost_rank() -> None:
+def test_keep_alive_on_engine_death_answers_503_naming_the_lost_rank(tmp_path) -> None:
+    lost = tmp_path / "rank-lost"  # the rank dies when told, as in the test above
     server = launch(
         COMMON_ARGS,
         fake=True,
-        env={"FAKE_DEAD_AFTER": "1.5", "PAGED_KEEP_ALIVE_ON_ENGINE_DEATH": "1"},
+        env={"FAKE_DEAD_FILE": str(lost), "PAGED_KEEP_ALIVE_ON_ENGINE_DEATH": "1"},
     )
     try:
+        assert server.request("GET", "/health")[0] == 200
+        lost.touch()
         body = _wait_health(server, 503)
         assert LOST_RANK in body["error"]["message"]
         status, _, body = server.request("POST", "/v1/completions", {"prompt": "x"})

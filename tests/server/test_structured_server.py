@@ -1,9 +1,11 @@
 """Structured outputs, token rules and tool calling through paged-server, with the official
 `openai` client (a real engine over a tiny llama, `--tool-call-parser hermes`; a second server
-with `llama3_json` for its test)."""
+with `llama3_json` for its test). Both serve in this process: the engine as `paged-server ARGS`
+builds it, behind the app and HTTP server it builds (a server process would add its start)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import urllib.request
@@ -11,7 +13,7 @@ from collections.abc import Iterator
 
 import jsonschema
 import pytest
-from server_proc import REAL_ARGS, ServerProc, launch
+from server_proc import REAL_ARGS, ServerProc, serve_in_process
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("llguidance")
@@ -45,11 +47,20 @@ TOOLS = [
 ]
 
 
+@contextlib.contextmanager
+def _serving(tiny_model: str, tool_call_parser: str) -> Iterator[ServerProc]:
+    from paged_server.cli import build_engine
+    from paged_server.cli_args import parse_args
+
+    args = ["--model", tiny_model, *REAL_ARGS, "--tool-call-parser", tool_call_parser]
+    with serve_in_process(args, build_engine(parse_args(args))) as (server, _app):
+        yield server
+
+
 @pytest.fixture(scope="module")
 def server(tiny_model: str) -> Iterator[ServerProc]:
-    server = launch(["--model", tiny_model, *REAL_ARGS, "--tool-call-parser", "hermes"], fake=False)
-    yield server
-    assert server.stop() == 0, "".join(server.lines[-30:])
+    with _serving(tiny_model, "hermes") as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
@@ -336,10 +347,8 @@ LLAMA3 = r'\{"name": "clock", "parameters": \{"tz": "(utc|cet)"\}\}'
 
 @pytest.fixture(scope="module")
 def llama3_client(tiny_model: str) -> Iterator:
-    args = ["--model", tiny_model, *REAL_ARGS, "--tool-call-parser", "llama3_json"]
-    server = launch(args, fake=False)
-    yield openai.OpenAI(base_url=server.url + "/v1", api_key="EMPTY", max_retries=0)
-    assert server.stop() == 0, "".join(server.lines[-30:])
+    with _serving(tiny_model, "llama3_json") as server:
+        yield openai.OpenAI(base_url=server.url + "/v1", api_key="EMPTY", max_retries=0)
 
 
 def test_tool_choice_auto_parses_llama3_json_calls(llama3_client) -> None:

@@ -390,7 +390,9 @@ def serve_replicas(args: argparse.Namespace, argv: list[str], server: Server) ->
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    server.app = dp.ReplicaRouter(replicas, timeout=max(args.client_timeout, 600.0))
+    server.app = dp.ReplicaRouter(
+        replicas, timeout=max(args.client_timeout, 600.0), keep_alive=args.timeout_keep_alive
+    )
     server.server_activate()
     threading.Thread(target=server.serve_forever, args=(0.1,), daemon=True).start()
     url = server_url(server)

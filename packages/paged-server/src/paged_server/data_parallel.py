@@ -11,7 +11,10 @@ aborts the request there (asked every 0.25 s while the front waits on the replic
 single server asks while it waits on its engine: not only at the next write). A replica's whole
 answer must arrive within the front's timeout, a stream's each event within it of the one
 before (replica_connection.py: every receive counts, so a replica dribbling bytes is cut too):
-else a 504.
+else a 504. Connections to a replica are HTTP/1.1 keep-alive, pooled (`ReplicaPool`): one goes
+back only once its answer was read to the end; an abandoned, failed or timed-out one is closed.
+A pooled connection the replica closed while idle (nothing of the answer came) is retried once
+on a new one.
 
 Stored Responses API responses live in the replica that answered them, and the front keeps no
 state of its own: `GET` / `DELETE /v1/responses/{id}` (and its `input_items` and `cancel`) ask
@@ -49,6 +52,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -66,7 +70,7 @@ from paged_server.exposition import (
     wants_openmetrics,
 )
 from paged_server.http import Handler
-from paged_server.replica_connection import ClientGone, ReplicaConnection
+from paged_server.replica_connection import POOL_SIZE, ClientGone, ReplicaConnection, ReplicaPool
 
 log = logging.getLogger("paged_server")
 
@@ -109,9 +113,23 @@ class Replica:
 class ReplicaRouter:
     """The front's `App`: routes each request to the least-loaded replica."""
 
-    def __init__(self, replicas: list[Replica], *, timeout: float = 600.0) -> None:
+    def __init__(
+        self,
+        replicas: list[Replica],
+        *,
+        timeout: float = 600.0,
+        keep_alive: float = 5.0,
+        pool_size: int = POOL_SIZE,
+    ) -> None:
+        """`keep_alive`: the replicas' --timeout-keep-alive (an idle pooled connection is
+        dropped before the replica would close it); `pool_size`: idle connections kept per
+        replica."""
         self.replicas = replicas
         self.timeout = timeout
+        self.pools = {
+            r.index: ReplicaPool(r.connect, size=pool_size, idle_timeout=0.8 * keep_alive)
+            for r in replicas
+        }
         self._lock = threading.Lock()
         self._lora_lock = threading.Lock()  # one runtime LoRA update at a time, on all replicas
 
@@ -198,26 +216,27 @@ class ReplicaRouter:
         reached raises `_Unreached` (nothing was sent); one that answers garbage or breaks off
         is a 502, one whose answer is not whole within `timeout` of the request (a stream: its
         headers, then each event within `timeout` of the one before) a 504, each logged as the
-        replica's failure (the client's own socket errors pass through)."""
-        conn = replica.connect(self.timeout)
+        replica's failure (the client's own socket errors pass through). A client gone closes
+        the replica's connection, which aborts the request there."""
         try:
-            try:
-                conn.connect()
-            except OSError as e:
-                raise _Unreached(f"engine replica {replica.index} refused the request: {e}") from e
-            conn.expect(self.timeout)
-            conn.watch(h.client_gone)  # a client gone: `done` below aborts it on the replica
-            try:
-                conn.request(method, h.path, body=body, headers=_headers(h))
-                resp = conn.getresponse()
-            except ClientGone:
-                raise
-            except (OSError, http.client.HTTPException) as e:
-                raise _failed(replica.index, "did not answer", e, self.timeout) from e
+            conn, resp = self._send(
+                replica, method, h.path, body, _headers(h), self.timeout, h.client_gone
+            )
+        except (ClientGone, _Unreached):
+            raise
+        except (OSError, http.client.HTTPException) as e:
+            raise _failed(replica.index, "did not answer", e, self.timeout) from e
+        pool, kept = self.pools[replica.index], False
+        try:
             ctype = resp.getheader("Content-Type", "application/json")
             if resp.status == 200 and ctype.startswith("text/event-stream"):
                 h.start_stream()
-                return _relay(h, resp, conn, replica.index, self.timeout)
+                tail = _relay(h, resp, conn, replica.index, self.timeout)
+                kept = True  # read whole: the pool's before the client has the stream's end
+                pool.release(conn, resp)
+                if tail:  # a stream that ended mid-event ends so here too
+                    h.send_chunk(tail)
+                return h.end_stream(done=False)  # a [DONE] the replica sent went through
             extra = {k: v for k in _PASS_RESPONSE_HEADERS if (v := resp.getheader(k))}
             try:
                 data = resp.read()
@@ -225,9 +244,58 @@ class ReplicaRouter:
                 raise
             except (OSError, http.client.HTTPException) as e:
                 raise _failed(replica.index, "broke off", e, self.timeout) from e
+            kept = True  # read whole: the pool's before the client has it
+            pool.release(conn, resp)
             h.send_bytes(resp.status, data, ctype, extra)
         finally:
-            conn.done()
+            if not kept:  # abandoned, failed or timed out: never reused
+                conn.done()
+
+    def _send(
+        self,
+        replica: Replica,
+        method: str,
+        path: str,
+        body: bytes | None,
+        headers: dict[str, str],
+        timeout: float,
+        client_gone: Callable[[], bool] | None = None,
+    ) -> tuple[ReplicaConnection, http.client.HTTPResponse]:
+        """The request on a pooled connection to `replica` (else a new one), and its answer's
+        head, every read of the answer due within `timeout` (and ended by `ClientGone` once
+        `client_gone()`). A pooled connection that fails before any byte of the answer came (the
+        replica closed it while idle: a broken pipe, a reset, an EOF) is retried once on a new
+        connection. Raises `_Unreached` when no connection opens; on any error the connection
+        is closed. The caller reads the answer, then `release`s the connection to its pool."""
+        pool = self.pools[replica.index]
+        conn = pool.get(timeout)
+        while True:
+            if conn.sock is None:
+                try:
+                    conn.connect()
+                except OSError as e:
+                    raise _Unreached(
+                        f"engine replica {replica.index} refused the request: {e}"
+                    ) from e
+            conn.expect(timeout)
+            if client_gone is not None:
+                conn.watch(client_gone)  # a client gone: the caller's `done` aborts it there
+            try:
+                conn.request(method, path, body=body, headers=headers)
+                return conn, conn.getresponse()
+            except BaseException as e:
+                conn.done()
+                assert conn.reads is not None
+                stale = conn.answers and not conn.reads.received and not isinstance(e, ClientGone)
+                if not (stale and isinstance(e, ConnectionError)):
+                    raise
+                log.debug("engine replica %d closed an idle connection (%r)", replica.index, e)
+            conn = pool.get(timeout, fresh=True)
+
+    def close(self) -> None:
+        """Close every idle pooled connection."""
+        for pool in self.pools.values():
+            pool.close()
 
     # ---- stored responses (the Responses API) ----------------------------------------------
     def _stored_response(self, h: Handler, method: str) -> None:
@@ -314,36 +382,48 @@ class ReplicaRouter:
         headers: dict[str, str],
     ) -> Answer:
         """One whole request to a replica; a 502 when it does not answer."""
-        conn = replica.connect(self.timeout)
         try:
-            conn.connect()
-            conn.expect(self.timeout)
-            conn.request(method, path, body=body, headers=headers)
-            resp = conn.getresponse()
-            extra = {k: v for k in _PASS_RESPONSE_HEADERS if (v := resp.getheader(k))}
-            ctype = resp.getheader("Content-Type", "text/plain")
-            return Answer(resp.status, ctype, resp.read(), extra)
-        except (OSError, http.client.HTTPException) as e:
-            err = _failed(replica.index, "did not answer", e, self.timeout)
+            status, ctype, data, extra = self._whole(
+                replica, method, path, body, headers, self.timeout, "text/plain"
+            )
+            return Answer(status, ctype, data, extra)
+        except (_Unreached, OSError, http.client.HTTPException) as e:
+            cause = e.__cause__ if isinstance(e, _Unreached) else e
+            err = _failed(replica.index, "did not answer", cause or e, self.timeout)
             return Answer(err.status, "application/json", err.body(), {})
-        finally:
+
+    def _whole(
+        self,
+        replica: Replica,
+        method: str,
+        path: str,
+        body: bytes | None,
+        headers: dict[str, str],
+        timeout: float,
+        default_type: str,
+    ) -> tuple[int, str, bytes, dict[str, str]]:
+        """(status, Content-Type, body, passed headers) of a replica's whole answer to a
+        request the front makes itself; errors as `_send`'s, the connection pooled after."""
+        conn, resp = self._send(replica, method, path, body, headers, timeout)
+        try:
+            extra = {k: v for k in _PASS_RESPONSE_HEADERS if (v := resp.getheader(k))}
+            ctype = resp.getheader("Content-Type", default_type)
+            data = resp.read()
+        except BaseException:
             conn.done()
+            raise
+        self.pools[replica.index].release(conn, resp)
+        return resp.status, ctype, data, extra
 
     # ---- aggregated routes -----------------------------------------------------------------
     def _ask(self, replica: Replica, path: str) -> tuple[int, bytes]:
         """GET `path` of a replica (its /health, /metrics), whole within 10 s; (0, b"")
         when it does not answer so."""
-        conn = replica.connect(_ASK_TIMEOUT)
         try:
-            conn.connect()
-            conn.expect(_ASK_TIMEOUT)
-            conn.request("GET", path)
-            resp = conn.getresponse()
-            return resp.status, resp.read()
-        except (OSError, http.client.HTTPException):
+            status, _, data, _ = self._whole(replica, "GET", path, None, {}, _ASK_TIMEOUT, "")
+        except (_Unreached, OSError, http.client.HTTPException):
             return 0, b""
-        finally:
-            conn.done()
+        return status, data
 
     def _ask_all(self, path: str) -> list[tuple[int, bytes]]:
         """GET `path` of every replica at once, (status, body) each in replica order: a
@@ -399,14 +479,16 @@ def _failed(index: int, what: str, e: Exception, timeout: float) -> APIError:
 
 def _relay(
     h: Handler, resp: http.client.HTTPResponse, conn: ReplicaConnection, index: int, gap: float
-) -> None:
+) -> bytes:
     """A replica's SSE stream to the client byte for byte, each event as soon as it is whole (a
-    replica sends one event per chunk, and `read1` returns at most one chunk), ended when the
-    replica's stream ends. Each event must be whole within `gap` seconds of the one before (no
-    total bound: a long stream is fine, a replica dribbling bytes is not). A replica that breaks
-    off (its last chunk missing: `read1` raises where line iteration would end quietly) is
-    reported in-band, a 502; one past the gap a 504. The bytes of an event not yet whole are
-    held back, so such an error event never runs into a cut one."""
+    replica sends one event per chunk, and `read1` returns at most one chunk), until the
+    replica's stream ends: the bytes after its last whole event are returned (the caller ends
+    the client's stream, its replica connection free by then). Each event must be whole within
+    `gap` seconds of the one before (no total bound: a long stream is fine, a replica dribbling
+    bytes is not). A replica that breaks off (its last chunk missing: `read1` raises where line
+    iteration would end quietly) is reported in-band, a 502; one past the gap a 504. The bytes
+    of an event not yet whole are held back, so such an error event never runs into a cut
+    one."""
     pending = b""
     while True:
         try:
@@ -423,9 +505,7 @@ def _relay(
             h.send_chunk(pending[:end])  # OSError when the client left: closes the replica's
             pending = pending[end:]
             conn.expect(gap)
-    if pending:  # a stream that ended mid-event ends so here too
-        h.send_chunk(pending)
-    h.end_stream(done=False)  # a [DONE] the replica sent went through above
+    return pending
 
 
 def _estimate_tokens(body: Any, body_bytes: int) -> int:

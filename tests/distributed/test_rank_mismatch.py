@@ -12,7 +12,7 @@ import types
 import pytest
 import torch.distributed as dist
 
-from paged_engine import LLM
+from paged_engine import LLM, SamplingParams
 from paged_engine.distributed.launch import free_port, launch_fingerprint, launch_mismatch
 from paged_engine.testing import write_tiny_model
 
@@ -106,10 +106,20 @@ def test_fingerprints_are_stable_across_processes(same: bool) -> None:
 
 def test_a_rank_that_never_joins_is_an_error_not_a_hang(tmp_path, monkeypatch) -> None:
     """Rank 1 died at start (never launched here): rank 0 (this process) gives up joining
-    after PAGED_DIST_JOIN_TIMEOUT_S and names the wait (it used to wait for a year)."""
+    after PAGED_DIST_JOIN_TIMEOUT_S and names the wait (it used to wait for a year). The same
+    process then starts a parallel engine: torch's default-group name counter, bumped by the
+    failed join, is reset (else this rank's group is "1" and its new rank's "0": a hang)."""
     model = str(write_tiny_model(tmp_path / "m", "gpt_neox", seed=4))
     _torchrun_rank0(monkeypatch, free_port(), join_timeout_s=1)
     wait = r"rank 0 of 2: the other ranks did not join the world \(env://\) within 1s"
     with pytest.raises(RuntimeError, match=wait):
         LLM(model=model, dtype="float32", max_model_len=128, tensor_parallel_size=2)
     assert not dist.is_initialized()
+    monkeypatch.undo()  # no torchrun environment: rank 1 is started here
+    monkeypatch.setenv("PAGED_DIST_JOIN_TIMEOUT_S", "60")  # a hang fails the test in a minute
+    llm = LLM(model=model, dtype="float32", max_model_len=128, tensor_parallel_size=2)
+    try:
+        out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 2
+    finally:
+        llm.llm_engine.shutdown()

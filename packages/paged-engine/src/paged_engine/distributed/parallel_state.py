@@ -141,6 +141,7 @@ def init_parallel_state(
             backend, init_method=init_method, world_size=world_size, rank=rank, timeout=joining
         )
     except (RuntimeError, TimeoutError) as e:  # (torch's DistStoreError is a RuntimeError)
+        _forget_failed_join()
         raise RuntimeError(
             f"rank {rank} of {world_size}: the other ranks did not join the world "
             f"({init_method}) within {joining.total_seconds():.0f}s ({JOIN_TIMEOUT_ENV}); did "
@@ -200,6 +201,18 @@ def single_stage() -> Iterator[None]:
         yield
     finally:
         _state = saved
+
+
+def _forget_failed_join() -> None:
+    """Undo what a failed `init_process_group` left behind. torch names the default group by a
+    process-wide counter it bumps before the rendezvous and resets only when a world is
+    destroyed: after a join that timed out, this process's next world would be named "1" while
+    fresh ranks name theirs "0", and its gloo setup would wait on keys no peer writes (a hang
+    until the join timeout)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    else:
+        dist.distributed_c10d._world.group_count = 0
 
 
 def check_not_in_world() -> None:

@@ -279,3 +279,27 @@ def test_feature_heads_draft_up_to_max_model_len(method, tmp_path):
         head_rows=rows,
     )
     assert rows == [{MAX_LEN}]
+
+
+def _huge_positions(path) -> None:
+    """`_scout_positions` at the top level and in a nested text config (an assistant's)."""
+    config = json.loads((path / "config.json").read_text())
+    config["max_position_embeddings"] = SCOUT_POSITIONS
+    if isinstance(config.get("text_config"), dict):
+        config["text_config"]["max_position_embeddings"] = SCOUT_POSITIONS
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def test_deepseek_eagle_head_drafts_up_to_max_model_len(tmp_path):
+    """A DeepSeek-V3 EAGLE head, built by its own loader (models/deepseek_eagle.py), bounds its
+    ropes as the other heads do (spec_decode/head_loader.py `head_ropes`)."""
+    from test_spec_eagle_deepseek import write_deepseek_eagle_head
+
+    target = write_tiny_model(tmp_path / "target", "deepseek_v3", seed=3)
+    head = write_deepseek_eagle_head(tmp_path / "ds", target, seed=4)
+    _huge_positions(target)
+    _huge_positions(head)
+    rows: list[set[int]] = []
+    spec = {"method": "eagle", "model": str(head), "num_speculative_tokens": 2}
+    _spec_to_the_limit(target, spec, head_rows=rows)
+    assert rows == [{MAX_LEN}]

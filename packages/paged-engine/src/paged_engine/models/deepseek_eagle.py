@@ -178,16 +178,16 @@ def attach_deepseek_eagle_head(runner: ModelRunner, resolved: ResolvedModel, hf_
     """Build the head on the runner's device in the target's dtype, load it (dummy weights
     under load_format "dummy") and set `runner.draft`, over the target's embedding and LM
     head. `hf_config`: the head's, its rope already reaching max_model_len."""
-    from paged_engine.layers.rotary import rope_context_len
     from paged_engine.loader import building_in, checkpoint_weights, init_dummy_weights
     from paged_engine.spec_decode.eagle import FinalHiddenRunner
+    from paged_engine.spec_decode.head_loader import head_ropes
 
     config, target = runner.config, runner.model
     kind = deepseek_eagle_kind(resolved.path, hf_config)
     assert kind is not None
     dtype = next(target.parameters()).dtype
     target_layers = int(runner.hf_config.num_hidden_layers)
-    with building_in(dtype, runner.device), rope_context_len(config.max_model_len):
+    with building_in(dtype, runner.device), head_ropes(runner):
         head = EagleDeepseekHead(hf_config, kind, target_layers)
     if config.load_format == "dummy":
         init_dummy_weights(head, config.seed)

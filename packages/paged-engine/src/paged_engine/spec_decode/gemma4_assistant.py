@@ -163,7 +163,6 @@ def check_gemma4_assistant(name: str, target_hf_config, config) -> None:
 def attach_gemma4_assistant(runner: ModelRunner, name: str) -> None:
     """Load the assistant `name` on the runner's device in the target's dtype, point it at
     the target's embedding and KV layers, and set `runner.draft`."""
-    from paged_engine.layers.rotary import rope_context_len
     from paged_engine.loader import (
         building_in,
         checkpoint_weights,
@@ -171,13 +170,13 @@ def attach_gemma4_assistant(runner: ModelRunner, name: str) -> None:
         load_hf_config,
     )
     from paged_engine.models.gemma4_assistant import LAYER_TYPES, Gemma4AssistantForCausalLM
-    from paged_engine.spec_decode.head_loader import resolve_draft
+    from paged_engine.spec_decode.head_loader import head_ropes, resolve_draft
 
     config, target = runner.config, runner.model
     resolved = resolve_draft(name, config)
     hf_config = load_hf_config(resolved, config.trust_remote_code)
     dtype = next(target.parameters()).dtype
-    with building_in(dtype, runner.device), rope_context_len(config.max_model_len):
+    with building_in(dtype, runner.device), head_ropes(runner):
         head = Gemma4AssistantForCausalLM(hf_config)
     if config.load_format == "dummy":
         init_dummy_weights(head, config.seed)

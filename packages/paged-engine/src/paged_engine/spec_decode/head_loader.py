@@ -4,19 +4,21 @@ heads ({"method": "eagle", ...}: models/llama_eagle.py, minicpm_eagle.py, deepse
 and the target's own MTP layer ({"method": "mtp"}: models/mtp.py, mimo_mtp.py, mtp_more.py).
 Errors are ValueErrors naming speculative_config.
 
-A head runs at sequence positions below max_model_len (drafts never pass it: the planner's
-room), so its plain ropes hold max_model_len rows (`rope_context_len(bounded_positions=True)`);
-a head turning the target's M-RoPE positions has an MRotaryEmbedding, which keeps every row.
+A head runs at the target's positions, below max_model_len (drafts never pass it: the
+planner's room), so its plain ropes hold max_model_len rows where the target's do
+(`head_ropes`: not for a target whose prompts may carry M-RoPE positions).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from paged_engine.loader import ResolvedModel, load_hf_config, resolve_model
+from paged_engine.layers.rotary import rope_context_len
+from paged_engine.loader import ResolvedModel, load_hf_config, multi_axis_positions, resolve_model
 
 if TYPE_CHECKING:
     from torch import nn
@@ -24,6 +26,13 @@ if TYPE_CHECKING:
     from paged_engine.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+
+
+def head_ropes(runner: ModelRunner) -> contextlib.AbstractContextManager[None]:
+    """Where a head for `runner`'s target is built: its ropes serve max_model_len and, as the
+    target's (loader.load_model), stop there unless the target has M-RoPE positions."""
+    bounded = not multi_axis_positions(runner.hf_config)
+    return rope_context_len(runner.config.max_model_len, bounded_positions=bounded)
 
 
 def vocab_size(hf_config) -> int:
@@ -153,7 +162,6 @@ def check_eagle3_head(name: str, target_hf_config, config) -> None:
 def attach_eagle3_head(runner: ModelRunner, name: str) -> None:
     """Load the EAGLE-3 head `name` on the runner's device in the target's dtype as
     `runner.draft`, sharing the target's token embedding where the head has none."""
-    from paged_engine.layers.rotary import rope_context_len
     from paged_engine.loader import building_in, checkpoint_weights, init_dummy_weights
     from paged_engine.models.llama_eagle3 import Eagle3LlamaForCausalLM, aux_layer_ids
     from paged_engine.spec_decode.eagle import Eagle3Runner
@@ -164,10 +172,7 @@ def attach_eagle3_head(runner: ModelRunner, name: str) -> None:
     dtype = next(runner.model.parameters()).dtype
     reach_max_model_len(hf_config, config.max_model_len)
     logger.info("loading the EAGLE-3 head %s", name)
-    with (
-        building_in(dtype, runner.device),
-        rope_context_len(config.max_model_len, bounded_positions=True),
-    ):
+    with building_in(dtype, runner.device), head_ropes(runner):
         head = Eagle3LlamaForCausalLM(hf_config)
     if config.load_format == "dummy":
         init_dummy_weights(head, config.seed)
@@ -214,7 +219,6 @@ def check_eagle_head(name: str, target_hf_config, config) -> None:
 def attach_eagle_head(runner: ModelRunner, name: str) -> None:
     """Load the EAGLE-1 head `name` on the runner's device in the target's dtype as
     `runner.draft`, over the target's embedding and LM head."""
-    from paged_engine.layers.rotary import rope_context_len
     from paged_engine.loader import building_in, checkpoint_weights, init_dummy_weights
     from paged_engine.models.llama_eagle import EagleLlamaHead
     from paged_engine.models.minicpm_eagle import EagleMiniCPMHead, is_minicpm_eagle_config
@@ -231,10 +235,7 @@ def attach_eagle_head(runner: ModelRunner, name: str) -> None:
     if deepseek_eagle_kind(resolved.path, hf_config) is not None:  # DeepSeek-V3 / Large 3 layers
         attach_deepseek_eagle_head(runner, resolved, hf_config)
         return
-    with (
-        building_in(dtype, runner.device),
-        rope_context_len(config.max_model_len, bounded_positions=True),
-    ):
+    with building_in(dtype, runner.device), head_ropes(runner):
         minicpm = is_minicpm_eagle_config(hf_config)  # vLLM's EagleMiniCPMForCausalLM
         head = (EagleMiniCPMHead if minicpm else EagleLlamaHead)(hf_config)
     if config.load_format == "dummy":
@@ -305,16 +306,12 @@ def load_mtp_layer(
     """`make()` built on the runner's device and dtype (rope sized to max_model_len), its
     weights the target checkpoint's tensors `weight_name` maps (to the layer's names; None:
     not the layer's) or dummy ones, quantized as the target's are (before any sharing)."""
-    from paged_engine.layers.rotary import rope_context_len
     from paged_engine.loader import building_in, checkpoint_weights, init_dummy_weights
     from paged_engine.packed_codes import KEEP_CODES
 
     config, hf_config = runner.config, runner.hf_config
     dtype = next(runner.model.parameters()).dtype
-    with (
-        building_in(dtype, runner.device),
-        rope_context_len(config.max_model_len, bounded_positions=True),
-    ):
+    with building_in(dtype, runner.device), head_ropes(runner):
         head = make()
     if config.load_format == "dummy":
         init_dummy_weights(head, config.seed)

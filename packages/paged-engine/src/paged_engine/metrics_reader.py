@@ -19,6 +19,7 @@ from paged_engine.engine.request_latency import (
     RequestLatency,
     go_float,
 )
+from paged_engine.engine.stats import PROMPT_TOKEN_SOURCES
 
 
 @dataclass
@@ -73,12 +74,6 @@ _COUNTERS = (
     ("vllm:prompt_tokens_cached", "prompt_tokens_cached"),
     ("vllm:prompt_tokens_recomputed", "prompt_tokens_recomputed"),
 )
-# vLLM's prompt_tokens_by_source: (source label, EngineStats field)
-_SOURCES = (
-    ("local_compute", "prompt_tokens_local_compute"),
-    ("local_cache_hit", "prompt_tokens_local_cache_hit"),
-    ("external_kv_transfer", "prompt_tokens_external_kv_transfer"),
-)
 
 
 def snapshot(stats: Any, latency: RequestLatency, model_name: str) -> list[Metric]:
@@ -89,7 +84,7 @@ def snapshot(stats: Any, latency: RequestLatency, model_name: str) -> list[Metri
     out += [Counter(name, dict(labels), int(getattr(stats, field))) for name, field in _COUNTERS]
     out += [
         Counter("vllm:prompt_tokens_by_source", {**labels, "source": src}, getattr(stats, field))
-        for src, field in _SOURCES
+        for src, field in PROMPT_TOKEN_SOURCES
     ]
     if stats.mm_cache_queries is not None:  # an image processor cache
         out.append(Counter("vllm:mm_cache_queries", dict(labels), stats.mm_cache_queries))

@@ -22,6 +22,7 @@ from paged_engine.engine.request_latency import (
     Histogram,
     RequestLatency,
 )
+from paged_engine.engine.stats import PROMPT_TOKEN_SOURCES
 from paged_server.exposition import (
     CONTENT_TYPE,
     OPENMETRICS_CONTENT_TYPE,
@@ -204,12 +205,6 @@ _ENGINE_METRICS = (
 )
 _PER_POS = "paged:spec_decode_num_accepted_tokens_per_pos_total"
 _BY_SOURCE = "paged:prompt_tokens_by_source_total"
-# (vLLM's source label, EngineStats field), in vLLM's order
-_SOURCES = (
-    ("local_compute", "prompt_tokens_local_compute"),
-    ("local_cache_hit", "prompt_tokens_local_cache_hit"),
-    ("external_kv_transfer", "prompt_tokens_external_kv_transfer"),
-)
 
 
 class Metrics:
@@ -259,7 +254,8 @@ class Metrics:
                 continue
             lines += [f"# HELP {name} {help_text(doc)}", f"# TYPE {name} {kind}"]
             lines.append(f"{name}{{{lab}}} {num(value)}")
-        if getattr(stats, _SOURCES[0][1], None) is not None:  # vLLM's, one sample per source
+        # vLLM's prompt_tokens_by_source: one sample per source
+        if getattr(stats, PROMPT_TOKEN_SOURCES[0][1], None) is not None:
             lines += [
                 f"# HELP {_BY_SOURCE} Prompt tokens by source: run (local_compute), found in the "
                 "prefix cache (local_cache_hit), loaded by kv_transfer (external_kv_transfer).",
@@ -267,7 +263,7 @@ class Metrics:
             ]
             lines += [
                 f"{_BY_SOURCE}{{{labelled(source=source)}}} {num(getattr(stats, field))}"
-                for source, field in _SOURCES
+                for source, field in PROMPT_TOKEN_SOURCES
             ]
         per_pos = getattr(stats, "spec_decode_num_accepted_tokens_per_pos", None)
         if per_pos:  # vLLM's labelled counter: one sample per draft position

@@ -33,16 +33,20 @@ class PromptTokenSources:
     """Prompt tokens by source, counted at each request's first scheduling (vLLM's
     prompt_tokens_by_source / _cached / _recomputed, which it counts at the prefill's output).
 
-    computed + local_cache_hit + external_kv_transfer - recomputed == prompt tokens, and
-    local_cache_hit + external_kv_transfer - recomputed == cached. `recomputed`: 1 for a
+    computed + local_cache_hit + external_kv_transfer - recomputed == prompt tokens (so
+    computed + cached). `recomputed`: 1 for a
     request whose cache hit left only its last token to run (a hit is capped there so that its
     logits exist); vLLM counts that token as a hit and as recomputed."""
 
     computed: int = 0  # prompt tokens the model runs
     local_cache_hit: int = 0  # found in the prefix cache (GPU or CPU tier)
     external_kv_transfer: int = 0  # loaded by the kv_transfer connector
-    cached: int = 0  # not run: local hits plus loaded tokens
     recomputed: int = 0
+
+    @property
+    def cached(self) -> int:
+        """Prompt tokens not run: local hits plus loaded tokens."""
+        return self.local_cache_hit + self.external_kv_transfer - self.recomputed
 
     def count(self, num_prompt_tokens: int, num_local: int, num_external: int) -> None:
         cached = num_local + num_external
@@ -50,7 +54,6 @@ class PromptTokenSources:
         self.computed += num_prompt_tokens - cached
         self.local_cache_hit += num_local + recomputed
         self.external_kv_transfer += num_external
-        self.cached += cached
         self.recomputed += recomputed
 
 

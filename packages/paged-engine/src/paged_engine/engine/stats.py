@@ -87,6 +87,14 @@ class EngineStats:
     mm_cache_hits: int | None = None
 
 
+# vLLM's prompt_tokens_by_source: (its `source` label, the EngineStats field), in vLLM's order
+PROMPT_TOKEN_SOURCES = (
+    ("local_compute", "prompt_tokens_local_compute"),
+    ("local_cache_hit", "prompt_tokens_local_cache_hit"),
+    ("external_kv_transfer", "prompt_tokens_external_kv_transfer"),
+)
+
+
 def engine_stats(engine: LLMEngine) -> EngineStats:
     sched, core = engine.scheduler, engine.engine_core
     bm = engine.block_manager.stats(sched.running_seqs())

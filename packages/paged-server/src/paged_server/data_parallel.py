@@ -383,10 +383,7 @@ class ReplicaRouter:
     ) -> Answer:
         """One whole request to a replica; a 502 when it does not answer."""
         try:
-            status, ctype, data, extra = self._whole(
-                replica, method, path, body, headers, self.timeout, "text/plain"
-            )
-            return Answer(status, ctype, data, extra)
+            return self._whole(replica, method, path, body, headers, self.timeout, "text/plain")
         except (_Unreached, OSError, http.client.HTTPException) as e:
             cause = e.__cause__ if isinstance(e, _Unreached) else e
             err = _failed(replica.index, "did not answer", cause or e, self.timeout)
@@ -401,9 +398,9 @@ class ReplicaRouter:
         headers: dict[str, str],
         timeout: float,
         default_type: str,
-    ) -> tuple[int, str, bytes, dict[str, str]]:
-        """(status, Content-Type, body, passed headers) of a replica's whole answer to a
-        request the front makes itself; errors as `_send`'s, the connection pooled after."""
+    ) -> Answer:
+        """A replica's whole answer to a request the front makes itself; errors as `_send`'s,
+        the connection pooled after."""
         conn, resp = self._send(replica, method, path, body, headers, timeout)
         try:
             extra = {k: v for k in _PASS_RESPONSE_HEADERS if (v := resp.getheader(k))}
@@ -413,17 +410,17 @@ class ReplicaRouter:
             conn.done()
             raise
         self.pools[replica.index].release(conn, resp)
-        return resp.status, ctype, data, extra
+        return Answer(resp.status, ctype, data, extra)
 
     # ---- aggregated routes -----------------------------------------------------------------
     def _ask(self, replica: Replica, path: str) -> tuple[int, bytes]:
         """GET `path` of a replica (its /health, /metrics), whole within 10 s; (0, b"")
         when it does not answer so."""
         try:
-            status, _, data, _ = self._whole(replica, "GET", path, None, {}, _ASK_TIMEOUT, "")
+            answer = self._whole(replica, "GET", path, None, {}, _ASK_TIMEOUT, "")
         except (_Unreached, OSError, http.client.HTTPException):
             return 0, b""
-        return status, data
+        return answer.status, answer.body
 
     def _ask_all(self, path: str) -> list[tuple[int, bytes]]:
         """GET `path` of every replica at once, (status, body) each in replica order: a

@@ -3,14 +3,19 @@ engine's stats, latency histograms over the requests the LLM's calls ran."""
 
 from __future__ import annotations
 
-from paged_engine import LLM, SamplingParams
+import threading
+
+import pytest
+
+from paged_engine import LLM, SamplingParams, StructuredOutputsParams
 from paged_engine.metrics_reader import Counter, Gauge, Histogram, Vector
 
 
 def _by_name(metrics):
     out = {}
     for m in metrics:
-        key = m.name if "finished_reason" not in m.labels else (m.name, m.labels["finished_reason"])
+        label = m.labels.get("finished_reason", m.labels.get("reason"))
+        key = m.name if label is None else (m.name, label)
         out[key] = m
     return out
 
@@ -91,3 +96,38 @@ def test_bucket_keys_are_vllms_le_labels(tiny_llama_dir):
     assert list(prompt.buckets)[-3:] == ["1e+06", "2e+06", "+Inf"]
     ttft = next(x for x in metrics if x.name == "vllm:time_to_first_token_seconds")
     assert list(ttft.buckets)[:2] == ["0.001", "0.005"]
+
+
+def test_a_request_whose_grammar_compiles_waits_deferred(tiny_llama_dir, monkeypatch):
+    """A request held while its grammar compiles is waiting (num_requests_waiting, unfinished)
+    for vLLM's `deferred` reason, not for capacity; once compiled it runs and the gauges
+    fall back to 0."""
+    pytest.importorskip("llguidance")
+    llm = LLM(str(tiny_llama_dir), max_model_len=64)
+    engine = llm.llm_engine
+    structured = engine.engine_core.structured
+    release = threading.Event()
+    compile_now = structured._compile_now
+
+    def held_compile(text):
+        assert release.wait(60)
+        return compile_now(text)
+
+    monkeypatch.setattr(structured, "_compile_now", held_compile)
+    so = StructuredOutputsParams(regex="[ab]+")
+    engine.add_request(
+        "held", "x", SamplingParams(temperature=0, max_tokens=3, structured_outputs=so)
+    )
+
+    def waiting() -> dict[str, float]:
+        metrics = llm.get_metrics()
+        by_reason = [m for m in metrics if m.name == "vllm:num_requests_waiting_by_reason"]
+        total = next(m for m in metrics if m.name == "vllm:num_requests_waiting")
+        return {"all": total.value} | {m.labels["reason"]: m.value for m in by_reason}
+
+    assert engine.get_num_unfinished_requests() == 1
+    assert waiting() == {"all": 1.0, "capacity": 0.0, "deferred": 1.0}
+    release.set()
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert waiting() == {"all": 0.0, "capacity": 0.0, "deferred": 0.0}

@@ -179,6 +179,8 @@ def test_more_adapters_than_max_loras_take_turns(llama_setup):
         stats = engine.get_stats()
         assert stats.max_loras == 1 and stats.running_lora_adapters == ["a"]
         assert stats.waiting_lora_adapters == ["b", "c"]
+        # vLLM's waiting reasons: both wait for a LoRA slot (deferred), not for capacity
+        assert stats.num_waiting == 2 and stats.num_waiting_deferred == 2
         while engine.has_unfinished_requests():
             engine.step()
     finally:

@@ -427,6 +427,7 @@ class FakeEngine:
         return SimpleNamespace(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
+            num_waiting_deferred=0,
             kv_cache_usage=used / self.num_blocks,
             num_total_blocks=self.num_blocks,
             num_used_blocks=used,

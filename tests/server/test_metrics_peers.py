@@ -42,6 +42,7 @@ VLLM_ITERATION += [8192.0, 16384.0]
 PEER_NAMES: dict[str, tuple[str, list[float] | str | None]] = {
     "vllm:num_requests_running": ("gauge", ""),
     "vllm:num_requests_waiting": ("gauge", ""),
+    "vllm:num_requests_waiting_by_reason": ("gauge", ""),  # autoscalers, endpoint pickers
     "vllm:kv_cache_usage_perc": ("gauge", ""),
     "vllm:gpu_cache_usage_perc": ("gauge", ""),  # dashboard; production-stack router
     "vllm:gpu_prefix_cache_hits_total": ("counter", ""),  # production-stack router
@@ -272,10 +273,11 @@ def test_every_state_parses_strictly() -> None:
 
 
 def test_spec_decode_lora_sleep_and_cache_info_parse_as_routers_read_them() -> None:
-    """The labelled families (spec decode positions, LoRA info, sleep state, cache config)
-    with adapter names that need escaping; what the endpoint picker takes from their labels."""
+    """The labelled families (spec decode positions, LoRA info, sleep state, cache config,
+    waiting requests by reason) with adapter names that need escaping; what the endpoint
+    picker takes from their labels."""
     before = time.time()
-    text = Metrics(ODD, "vllm").render(_stats())
+    text = Metrics(ODD, "vllm").render(_stats(num_waiting=3, num_waiting_deferred=1))
 
     def check(families: dict[str, Family]) -> None:
         lora = families["vllm:lora_requests_info"]
@@ -287,6 +289,12 @@ def test_spec_decode_lora_sleep_and_cache_info_parse_as_routers_read_them() -> N
         assert value == 1 and int(info["block_size"]) == 16 and int(info["num_gpu_blocks"]) > 0
         sleep = {lab["sleep_state"]: v for _, lab, v in families["vllm:engine_sleep_state"].samples}
         assert sleep == {"awake": 0, "weights_offloaded": 1, "discard_all": 0}
+        by_reason = families["vllm:num_requests_waiting_by_reason"]
+        assert by_reason.type == "gauge"
+        assert {lab["reason"]: v for _, lab, v in by_reason.samples} == {
+            "capacity": 2,
+            "deferred": 1,
+        }
 
     check(parse(text))
     per_pos = parse(text)["vllm:spec_decode_num_accepted_tokens_per_pos_total"].samples

@@ -19,7 +19,7 @@ from paged_engine.engine.request_latency import (
     RequestLatency,
     go_float,
 )
-from paged_engine.engine.stats import PROMPT_TOKEN_SOURCES
+from paged_engine.engine.stats import PROMPT_TOKEN_SOURCES, waiting_by_reason
 
 
 @dataclass
@@ -80,6 +80,10 @@ def snapshot(stats: Any, latency: RequestLatency, model_name: str) -> list[Metri
     labels = {"model_name": model_name, "engine": "0"}
     out: list[Metric] = [
         Gauge(name, dict(labels), float(getattr(stats, field))) for name, field in _GAUGES
+    ]
+    out += [
+        Gauge("vllm:num_requests_waiting_by_reason", {**labels, "reason": reason}, float(n))
+        for reason, n in waiting_by_reason(stats)
     ]
     out += [Counter(name, dict(labels), int(getattr(stats, field))) for name, field in _COUNTERS]
     out += [

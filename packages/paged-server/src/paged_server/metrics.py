@@ -22,7 +22,7 @@ from paged_engine.engine.request_latency import (
     Histogram,
     RequestLatency,
 )
-from paged_engine.engine.stats import PROMPT_TOKEN_SOURCES
+from paged_engine.engine.stats import PROMPT_TOKEN_SOURCES, waiting_by_reason
 from paged_server.exposition import (
     CONTENT_TYPE,
     OPENMETRICS_CONTENT_TYPE,
@@ -205,6 +205,7 @@ _ENGINE_METRICS = (
 )
 _PER_POS = "paged:spec_decode_num_accepted_tokens_per_pos_total"
 _BY_SOURCE = "paged:prompt_tokens_by_source_total"
+_BY_REASON = "paged:num_requests_waiting_by_reason"
 
 
 class Metrics:
@@ -254,6 +255,16 @@ class Metrics:
                 continue
             lines += [f"# HELP {name} {help_text(doc)}", f"# TYPE {name} {kind}"]
             lines.append(f"{name}{{{lab}}} {num(value)}")
+        if getattr(stats, "num_waiting_deferred", None) is not None:  # vLLM's, one per reason
+            lines += [
+                f"# HELP {_BY_REASON} Waiting requests by reason: for room in the batch or the "
+                "KV cache (capacity), or for a grammar to compile or a LoRA slot (deferred).",
+                f"# TYPE {_BY_REASON} gauge",
+            ]
+            lines += [
+                f"{_BY_REASON}{{{labelled(reason=reason)}}} {n}"
+                for reason, n in waiting_by_reason(stats)
+            ]
         # vLLM's prompt_tokens_by_source: one sample per source
         if getattr(stats, PROMPT_TOKEN_SOURCES[0][1], None) is not None:
             lines += [

@@ -200,6 +200,16 @@ class Scheduler(SeqLifecycle, Preemption, PrefixLookup, StepEmitter, LoneSteps):
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    def num_waiting_for_adapters(self) -> int:
+        """Waiting requests the next schedule would pass over because their LoRA adapter would
+        exceed max_loras adapters in the batch (vLLM's `deferred` waiting reason)."""
+        if not (self.max_loras and self.waiting):
+            return 0
+        adapters = self._running_adapters()
+        if len(adapters) < self.max_loras:
+            return 0
+        return sum(1 for req in self.waiting if req.lora_id and req.lora_id not in adapters)
+
     @property
     def num_running_seqs(self) -> int:
         """Live sequences of running requests (not counting seats reserved for forks)."""

@@ -711,7 +711,8 @@ class LLMEngine:
         return self.engine_core.has_unfinished_requests()
 
     def get_num_unfinished_requests(self) -> int:
-        return self.scheduler.num_running + self.scheduler.num_waiting
+        sched = self.scheduler
+        return sched.num_running + sched.num_waiting + self.engine_core.num_compiling
 
     # ---- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -19,7 +19,7 @@ class EngineStats:
     """A snapshot of the engine; `kv_*` figures are over the running sequences right now."""
 
     num_running: int
-    num_waiting: int
+    num_waiting: int  # all waiting requests, the deferred ones included
     num_total_blocks: int
     num_used_blocks: int
     num_free_blocks: int
@@ -85,6 +85,16 @@ class EngineStats:
     # mm_cache_hits): images looked up and found (None without one)
     mm_cache_queries: int | None = None
     mm_cache_hits: int | None = None
+    # Waiting requests that could not be admitted even with room (vLLM's `deferred` waiting
+    # reason): grammar still compiling, LoRA adapter over max_loras; the rest wait for capacity
+    num_waiting_deferred: int = 0
+
+
+def waiting_by_reason(stats: EngineStats) -> tuple[tuple[str, int], ...]:
+    """vLLM's num_requests_waiting_by_reason: (its `reason` label, requests), summing to
+    num_waiting."""
+    deferred = stats.num_waiting_deferred
+    return (("capacity", stats.num_waiting - deferred), ("deferred", deferred))
 
 
 # vLLM's prompt_tokens_by_source: (its `source` label, the EngineStats field), in vLLM's order
@@ -102,7 +112,8 @@ def engine_stats(engine: LLMEngine) -> EngineStats:
     sources = sched.prompt_sources
     return EngineStats(
         num_running=sched.num_running,
-        num_waiting=sched.num_waiting,
+        num_waiting=sched.num_waiting + core.num_compiling,
+        num_waiting_deferred=core.num_compiling + sched.num_waiting_for_adapters(),
         num_total_blocks=bm.num_total_blocks,
         num_used_blocks=bm.num_used_blocks,
         num_free_blocks=bm.num_free_blocks,

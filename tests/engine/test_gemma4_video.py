@@ -58,6 +58,7 @@ from test_gemma4_images import (  # noqa: E402
 )
 
 from paged_engine import SamplingParams  # noqa: E402
+from paged_engine.layers.rotary import RotaryEmbedding  # noqa: E402
 
 VIDEO_CONFIG = {
     "video_processor_type": "Gemma4VideoProcessor",
@@ -193,6 +194,11 @@ def test_videos_match_hf(path):
             assert m.image_size == tuple(int(v) + 1 for v in where[:real].amax(0).flip(0))
             assert torch.equal(m.pixel_values, rows[:real])
             assert m.bidirectional
+    # plain positions (no M-RoPE table): every rope's table holds max_model_len rows
+    rows = llm.apply_model(
+        lambda m: sorted({r.cos.shape[0] for r in m.modules() if isinstance(r, RotaryEmbedding)})
+    )[0]
+    assert rows == [llm.llm_engine.config.max_model_len]
     tokenizer = llm.get_tokenizer()
     assert "What happens?" in tokenizer.decode(outs[0].prompt_token_ids)
     assert "<image|> 01:15 <|image>" in tokenizer.decode(outs[1].prompt_token_ids)

@@ -103,8 +103,13 @@ def test_mrope_and_unbounded_ropes_keep_every_row():
 
 
 def test_which_configs_carry_multi_axis_positions():
+    import importlib
+
+    from paged_engine.multimodal import audio_archs
     from paged_engine.multimodal.archs import KINDS
-    from paged_engine.multimodal.video_archs import VIDEO_ARCHS
+    from paged_engine.multimodal.audio import AudioProcessor
+    from paged_engine.multimodal.layout_table import LAYOUTS
+    from paged_engine.multimodal.video_archs import VIDEO_PROCESSORS
 
     def cfg(arch: str):
         return type("C", (), {"architectures": [arch]})()
@@ -113,9 +118,26 @@ def test_which_configs_carry_multi_axis_positions():
     assert not multi_axis_positions(cfg("Llama4ForConditionalGeneration"))
     assert multi_axis_positions(cfg("Qwen2_5_VLForConditionalGeneration"))
     assert multi_axis_positions(cfg("HunYuanVLForConditionalGeneration"))
-    assert multi_axis_positions(cfg("Qwen3ASRForConditionalGeneration"))  # audio: kept
-    # multi_axis_positions only looks for video wrappers among the image ones
-    assert set(VIDEO_ARCHS) <= set(KINDS)
+    assert multi_axis_positions(cfg("Qwen2_5OmniThinkerForConditionalGeneration"))
+    # audio and video wrappers with plain positions: tables bounded by max_model_len
+    for arch in (
+        "Qwen3ASRForConditionalGeneration",
+        "Gemma3nForConditionalGeneration",
+        "Gemma4ForConditionalGeneration",
+        "LlavaNextVideoForConditionalGeneration",
+    ):
+        assert not multi_axis_positions(cfg(arch)), arch
+    # The rule's premises. A video processor makes M-RoPE tables iff its wrapper's image
+    # layout has M-RoPE (the plain ones return None for any prompt):
+    for archs, cls in VIDEO_PROCESSORS:
+        for arch in archs:
+            mrope = LAYOUTS[KINDS[arch]].mrope
+            assert mrope or cls.positions(None, 8, ()) is None, arch  # type: ignore[arg-type]
+    # ...and no audio processor makes one (AudioProcessor.positions: None).
+    for path in set(audio_archs.HOSTS.values()):
+        module, name = path.split(":")
+        host = getattr(importlib.import_module(f"paged_engine.multimodal.{module}"), name)
+        assert host.positions is AudioProcessor.positions, path
 
 
 def _rows(llm: LLM) -> set[int]:
@@ -303,3 +325,18 @@ def test_deepseek_eagle_head_drafts_up_to_max_model_len(tmp_path):
     spec = {"method": "eagle", "model": str(head), "num_speculative_tokens": 2}
     _spec_to_the_limit(target, spec, head_rows=rows)
     assert rows == [{MAX_LEN}]
+
+
+@pytest.mark.parametrize("arch", ["gemma4", "olmo3", "dbrx", "mimo_v2_flash"])
+def test_models_building_their_own_ropes_bound_them(arch, tmp_path):
+    """Models that build RotaryEmbedding themselves (per-layer-type ropes, proportional ropes)
+    take the same bound (`plain_rope_rows`): max_model_len rows, and a generation run to
+    max_model_len gives HF's tokens."""
+    path = write_tiny_model(tmp_path, arch, seed=1, max_position_embeddings=65_536)
+    (long,), (long_ref,) = hf_refs(path, (100,), max_tokens=MAX_LEN - 100, seed=3)
+    llm = LLM(model=str(path), dtype="float32", max_model_len=MAX_LEN)
+    assert _rows(llm) == {MAX_LEN}
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_LEN - 100, logprobs=3)
+    (out,) = llm.generate([{"prompt_token_ids": long}], params, use_tqdm=False)
+    assert_matches(arch, out, long_ref)
+    llm.llm_engine.shutdown()

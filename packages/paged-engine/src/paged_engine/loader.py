@@ -370,23 +370,16 @@ def building_in(dtype: torch.dtype, device: torch.device | str) -> Iterator[None
 def multi_axis_positions(hf_config) -> bool:
     """Whether the model's prompts may carry M-RoPE position tables (worker/rope_positions.py),
     whose positions run past max_model_len (a video's time axis, text shifted after images):
-    an image wrapper whose layout has M-RoPE, and (not told apart here) every video or audio
-    wrapper. Otherwise every rope position is a sequence position, below max_model_len."""
+    an image wrapper whose layout has M-RoPE. Its video processor makes tables exactly then
+    (Qwen2-VL's family, GLM-4.1V, the Omni thinkers; Gemma 4's, LLaVA-NeXT-Video's, Kimi
+    K2.5's and Ovis2.5's positions are plain), and audio processors never make one (an Omni
+    thinker's audio in a video is in its video's table). Otherwise every rope position is a
+    sequence position, below max_model_len."""
     from paged_engine.multimodal.archs import KINDS
-    from paged_engine.multimodal.audio_archs import AUDIO_ARCHS
-
-    archs = list(getattr(hf_config, "architectures", None) or [])
-    if any(a in AUDIO_ARCHS for a in archs):
-        return True
-    kinds = [KINDS[a] for a in archs if a in KINDS]
-    if not kinds:  # a text model (every video wrapper is an image wrapper too)
-        return False
     from paged_engine.multimodal.layout_table import LAYOUTS
-    from paged_engine.multimodal.video_archs import VIDEO_ARCHS
 
-    if any(a in VIDEO_ARCHS for a in archs):
-        return True
-    return any(getattr(LAYOUTS.get(k), "mrope", True) for k in kinds)
+    archs = getattr(hf_config, "architectures", None) or []
+    return any(getattr(LAYOUTS.get(KINDS[a]), "mrope", True) for a in archs if a in KINDS)
 
 
 def load_model(

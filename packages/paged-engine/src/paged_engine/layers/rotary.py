@@ -45,6 +45,13 @@ def rope_context_len(max_model_len: int | None, bounded_positions: bool = False)
         _CONTEXT_LEN.reset(token)
 
 
+def plain_rope_rows(rows: int) -> int:
+    """Rows a plain (1-D) rope built now needs of the `rows` its config allows: the engine's
+    max_model_len where the builder bounds positions (`rope_context_len`), else `rows`."""
+    limit = _POSITION_LIMIT.get()
+    return rows if limit is None else min(rows, limit)
+
+
 def context_len_or(default: int) -> int:
     """The longest sequence ropes built now serve (`rope_context_len`), else `default`."""
     value = _CONTEXT_LEN.get()
@@ -626,14 +633,13 @@ def get_rope(
     # a yarn / linear table runs as far as the engine's max_model_len (scaled_context_limit)
     rows = max(max_position, context_len or 0) if kind in _STATIC_SCALINGS else max_position
     section = mrope_section(config)
-    limit = _POSITION_LIMIT.get()
-    if section is None and limit is not None:
-        # Invariant (rope_context_len's caller): every position this rope turns is below
-        # `limit`. Row p's angles are p * inv_freq whatever the table's length, so these rows
+    if section is None:
+        # Invariant (rope_context_len's caller): every position this rope turns is below the
+        # limit. Row p's angles are p * inv_freq whatever the table's length, so these rows
         # are the longer table's first ones (the scaling above still reads max_position and
         # context_len). M-RoPE positions run past max_model_len (video time, shifted text):
         # those tables keep every row.
-        rows = min(rows, limit)
+        rows = plain_rope_rows(rows)
     if section is not None and not section[1] and sum(section[0]) * 2 != int(head_dim * partial):
         section = None  # sections that do not cover the rotary dims: text only, a plain rope
     extra: dict[str, Any] = {}

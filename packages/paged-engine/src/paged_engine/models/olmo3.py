@@ -21,7 +21,7 @@ rank.
 
 from __future__ import annotations
 
-from paged_engine.layers.rotary import RotaryEmbedding, get_rope, rope_config
+from paged_engine.layers.rotary import RotaryEmbedding, get_rope, plain_rope_rows, rope_config
 from paged_engine.models.gemma2 import check_sliding_has_window, gemma_layer_types
 from paged_engine.models.llama import llama_head_dim
 from paged_engine.models.olmo2 import Olmo2DecoderLayer, Olmo2ForCausalLM, Olmo2Model
@@ -46,6 +46,7 @@ def olmo3_ropes(config, head_dim: int, types: list[str]) -> dict[str, RotaryEmbe
             max_position=int(config.max_position_embeddings),
             base=theta,
             is_neox_style=True,
+            num_positions=plain_rope_rows(int(config.max_position_embeddings)),
         )
     return ropes
 

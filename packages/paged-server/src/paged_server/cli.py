@@ -390,7 +390,7 @@ def serve_replicas(args: argparse.Namespace, argv: list[str], server: Server) ->
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    server.app = dp.ReplicaRouter(
+    server.app = router = dp.ReplicaRouter(
         replicas, timeout=max(args.client_timeout, 600.0), keep_alive=args.timeout_keep_alive
     )
     server.server_activate()
@@ -412,6 +412,7 @@ def serve_replicas(args: argparse.Namespace, argv: list[str], server: Server) ->
     server.accepting = False
     server.shutdown()
     server.server_close()
+    router.close()  # the idle pooled connections, before the replicas go
     dp.stop_replicas(replicas)
     return 0
 

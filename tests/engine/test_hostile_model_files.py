@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from paged_engine import loader
+from paged_engine import LLM, SamplingParams, loader
 from paged_engine.gguf import GGUFFile
 
 # -- raw GGUF writing: any header, valid or not ----------------------------------------------
@@ -372,6 +372,10 @@ _BAD_CONFIGS = {
     "hidden 0": ({"hidden_size": 0}, "hidden_size=0 must be a positive"),
     "hidden negative": ({"hidden_size": -64}, "hidden_size=-64 must be a positive"),
     "vocab 0": ({"vocab_size": 0}, "vocab_size=0 must be a positive"),
+    "positions negative": (
+        {"max_position_embeddings": -5},
+        "max_position_embeddings=-5 must be a positive",
+    ),
     "no attention heads": ({"num_attention_heads": 0}, "ZeroDivisionError"),
     "no KV heads": ({"num_key_value_heads": 0}, "num_key_value_heads=0 must be between"),
     "more KV heads than heads": ({"num_key_value_heads": 8}, "num_key_value_heads=8"),
@@ -389,6 +393,18 @@ def test_config_refused_before_the_model_is_built(model_dir, changes, match):
         loader.load_hf_config(loader.resolve_model(model_dir))
     assert str(model_dir / "config.json") in str(err.value)
     assert time.perf_counter() - start < 5
+
+
+def test_positions_past_memory_are_refused_naming_max_model_len(model_dir):
+    """max_model_len defaults to the config's max_position_embeddings: 10**15 of them ask the
+    rope tables for petabytes, refused with the option to lower instead of the allocator's
+    error; with max_model_len given the model serves."""
+    _config(model_dir, max_position_embeddings=10**15)
+    with pytest.raises(ValueError, match=r"1,000,000,000,000,000 positions .* max_model_len"):
+        LLM(model=str(model_dir))
+    llm = LLM(model=str(model_dir), max_model_len=64)
+    (out,) = llm.generate(["hi"], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 2
 
 
 @pytest.mark.parametrize(

@@ -26,7 +26,8 @@ if TYPE_CHECKING:
 # counts hybrid models' attention and MLP terms on every layer.
 SIZE_SLACK = 64
 
-_POSITIVE = ("hidden_size", "num_hidden_layers", "vocab_size")  # (an MLP width may be 0)
+# (an MLP width may be 0)
+_POSITIVE = ("hidden_size", "num_hidden_layers", "vocab_size", "max_position_embeddings")
 
 
 def _int(config: Any, field: str) -> int | None:

@@ -228,9 +228,20 @@ class RotaryEmbedding(nn.Module):
                 raise ValueError(f"{len(freq_factors)} rope freq factors for {len(inv_freq)} freqs")
             inv_freq = inv_freq / torch.tensor(freq_factors, dtype=torch.float32)
         # the table's rows: max_position, or more where a static scaling extends the context
-        positions = torch.arange(num_positions or max_position, dtype=torch.float32)
-        freqs = torch.outer(positions, inv_freq)  # [P, rotary_dim/2]
-        cos, sin = freqs.cos(), freqs.sin()
+        rows = num_positions or max_position
+        if rows <= 0:
+            raise ValueError(f"max_position_embeddings={rows}: a rope needs positive positions")
+        try:
+            positions = torch.arange(rows, dtype=torch.float32)
+            freqs = torch.outer(positions, inv_freq)  # [P, rotary_dim/2]
+            cos, sin = freqs.cos(), freqs.sin()
+        except (RuntimeError, MemoryError) as e:  # (torch.OutOfMemoryError is a RuntimeError)
+            if "memory" not in str(e).lower():
+                raise
+            raise ValueError(
+                f"the rope tables of {rows:,} positions do not fit in memory: pass a smaller "
+                "max_model_len (by default the config's max_position_embeddings)"
+            ) from e
         if attention_factor != 1.0:  # yarn / longrope scale q and k through cos and sin
             cos, sin = cos * attention_factor, sin * attention_factor
         self.register_buffer("cos", cos, persistent=False)

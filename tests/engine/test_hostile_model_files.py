@@ -5,6 +5,7 @@ allocation; nothing outside the model directory is read."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import struct
 import time
@@ -372,6 +373,7 @@ _BAD_CONFIGS = {
     "hidden 0": ({"hidden_size": 0}, "hidden_size=0 must be a positive"),
     "hidden negative": ({"hidden_size": -64}, "hidden_size=-64 must be a positive"),
     "vocab 0": ({"vocab_size": 0}, "vocab_size=0 must be a positive"),
+    "head_dim 0": ({"head_dim": 0}, "head_dim=0 must be a positive"),
     "positions negative": (
         {"max_position_embeddings": -5},
         "max_position_embeddings=-5 must be a positive",
@@ -393,6 +395,29 @@ def test_config_refused_before_the_model_is_built(model_dir, changes, match):
         loader.load_hf_config(loader.resolve_model(model_dir))
     assert str(model_dir / "config.json") in str(err.value)
     assert time.perf_counter() - start < 5
+
+
+_BAD_AT_BUILD = {  # (architecture, config changes, the error): what only building reads
+    "rope factor 0": ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 0.0}}, "0.0"),
+    "rope factor < 0": (
+        "llama",
+        {"rope_scaling": {"rope_type": "dynamic", "factor": -2.0}},
+        "-2.0",
+    ),
+    "query_pre_attn_scalar 0": ("gemma2", {"query_pre_attn_scalar": 0}, "query_pre_attn_scalar"),
+}
+
+
+@pytest.mark.parametrize("arch,changes,match", _BAD_AT_BUILD.values(), ids=list(_BAD_AT_BUILD))
+def test_config_values_refused_when_the_model_is_built(
+    tiny_model_factory, tmp_path, arch, changes, match
+):
+    """Values that gave NaN logits (a rope factor of 0) or a ZeroDivisionError (Gemma's
+    query_pre_attn_scalar 0) are ValueErrors naming them."""
+    path = Path(shutil.copytree(tiny_model_factory(arch), tmp_path / arch))
+    _config(path, **changes)
+    with pytest.raises(ValueError, match=re.escape(match) + ".* must be positive"):
+        _load(path)
 
 
 def test_positions_past_memory_are_refused_naming_max_model_len(model_dir):

@@ -52,8 +52,8 @@ def check_config(config: Any, source: str | Path) -> None:
     if heads is not None and heads < 0:
         raise ValueError(f"{source}: num_attention_heads={heads} must not be negative")
     head_dim = _int(config, "head_dim")
-    if head_dim is not None and head_dim < 0:
-        raise ValueError(f"{source}: head_dim={head_dim} must not be negative")
+    if head_dim is not None and head_dim <= 0:
+        raise ValueError(f"{source}: head_dim={head_dim} must be a positive integer")
     if heads and kv is not None and (kv <= 0 or kv > heads or heads % kv):
         raise ValueError(
             f"{source}: num_key_value_heads={kv} must be between 1 and num_attention_heads="

@@ -145,6 +145,8 @@ def scaled_inv_freq(
     missing = [k for k in _REQUIRED_KEYS[rope_type] if scaling.get(k) is None]
     if missing:
         raise ValueError(f"rope_scaling of type {rope_type!r} needs {', '.join(missing)}")
+    if scaling.get("factor") is not None and not float(scaling["factor"]) > 0:  # (NaN too)
+        raise ValueError(f"rope_scaling factor={scaling['factor']!r} must be positive")
     # The pre-training context (HF's standardize_rope_params defaults it to max_position).
     old_ctx = scaling.get("original_max_position_embeddings") or max_position
     if rope_type == "linear":

@@ -87,12 +87,15 @@ class GemmaAttention(nn.Module):
             eps = cfg_get(config, "rms_norm_eps", 1e-6)
             self.q_norm = GemmaRMSNorm(head_dim, eps)
             self.k_norm = GemmaRMSNorm(head_dim, eps)
+        # Gemma 1 configs have no query_pre_attn_scalar: head_dim^-0.5, as HF's
+        scalar = float(cfg_get(config, "query_pre_attn_scalar", head_dim))
+        if not scalar > 0:
+            raise ValueError(f"config.query_pre_attn_scalar={scalar!r} must be positive")
         self.attn = Attention(
             local_heads,
             head_dim,
             local_kv_heads,
-            # Gemma 1 configs have no query_pre_attn_scalar: head_dim^-0.5, as HF's
-            float(cfg_get(config, "query_pre_attn_scalar", head_dim)) ** -0.5,
+            scalar**-0.5,
             sliding_window=sliding_window,
             soft_cap=soft_cap,
         )

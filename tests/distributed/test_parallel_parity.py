@@ -149,13 +149,14 @@ def feature_model(tmp_path_factory):
 
 @pytest.mark.parametrize(
     ("tp", "pp", "overlap"),
-    [(2, 1, False), (2, 1, True), (1, 2, False)],
-    ids=["tp2", "tp2-async", "pp2"],
+    [(2, 1, False), (2, 1, True), (1, 2, False), (2, 2, False)],
+    ids=["tp2", "tp2-async", "pp2", "tp2-pp2"],
 )
 def test_features_under_parallelism(feature_model, tp, pp, overlap):
     """n > 1 (seeded), unseeded sampling (the ranks' own generator, seeded by the engine seed),
     beams, prompt logprobs, prompt_embeds, prefix caching and preemption: the same outputs;
-    with async scheduling too (two steps in flight across the ranks)."""
+    with async scheduling too (two steps in flight across the ranks), and on a 2 x 2 grid of
+    ranks (each pipeline stage split over two tensor ranks)."""
     path, requests, kwargs, want = feature_model
     llm = LLM(
         model=str(path),

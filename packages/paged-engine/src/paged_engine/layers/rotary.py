@@ -52,6 +52,15 @@ def plain_rope_rows(rows: int) -> int:
     return rows if limit is None else min(rows, limit)
 
 
+def plain_rope(
+    head_dim: int, rotary_dim: int, max_position: int, base: float, **kwargs: Any
+) -> RotaryEmbedding:
+    """A RotaryEmbedding over 1-D positions for the models that build their own (per layer
+    type, proportional), its tables bounded as `get_rope`'s (`plain_rope_rows`)."""
+    rows = plain_rope_rows(max_position)
+    return RotaryEmbedding(head_dim, rotary_dim, max_position, base, num_positions=rows, **kwargs)
+
+
 def context_len_or(default: int) -> int:
     """The longest sequence ropes built now serve (`rope_context_len`), else `default`."""
     value = _CONTEXT_LEN.get()

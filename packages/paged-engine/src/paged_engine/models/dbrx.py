@@ -32,7 +32,7 @@ from torch import nn
 
 from paged_engine.layers.fused_moe import SparseMoeBlock
 from paged_engine.layers.norm import LayerNorm
-from paged_engine.layers.rotary import RotaryEmbedding, plain_rope_rows, rope_config
+from paged_engine.layers.rotary import RotaryEmbedding, plain_rope, rope_config
 from paged_engine.models.llama import LlamaAttention, llama_head_dim
 from paged_engine.models.mixtral import expert_rules
 from paged_engine.models.phi3 import Phi3ForCausalLM
@@ -117,9 +117,7 @@ class DbrxForCausalLM(CausalLMBase):
         theta = sub_cfg_get(config, "attn_config", "rope_theta")
         if theta is None:
             theta = rope_config(config)[0]
-        max_position = int(config.max_position_embeddings)
-        rows = plain_rope_rows(max_position)
-        rope = RotaryEmbedding(head_dim, head_dim, max_position, theta, num_positions=rows)
+        rope = plain_rope(head_dim, head_dim, int(config.max_position_embeddings), theta)
 
         clip = sub_cfg_get(config, "attn_config", "clip_qkv")
 

@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from paged_engine.layers.embedding import VocabParallelEmbedding
-from paged_engine.layers.rotary import RotaryEmbedding, plain_rope_rows, rope_config
+from paged_engine.layers.rotary import RotaryEmbedding, plain_rope, rope_config
 from paged_engine.models.gemma2 import gemma_layer_types
 from paged_engine.models.gemma3_encoder import BidirectionalAttention, NoCacheEncoder
 from paged_engine.models.gemma4 import Gemma4Attention, Gemma4Layer, layer_geometry
@@ -91,13 +91,12 @@ class EmbeddingGemma2Stack(nn.Module):
         for kind, (head_dim, kv_heads) in zip(types, geometry, strict=True):
             if (kind, head_dim) not in ropes:
                 theta = rope_config(config, kind)[0]
-                ropes[kind, head_dim] = RotaryEmbedding(
+                ropes[kind, head_dim] = plain_rope(
                     head_dim,
                     head_dim,
                     int(config.max_position_embeddings),
                     theta,
                     is_neox_style=True,
-                    num_positions=plain_rope_rows(int(config.max_position_embeddings)),
                 )
             # the causal Attention's window is an exclusive bound: radius + 1
             window = int(config.sliding_window) + 1 if kind == "sliding_attention" else None

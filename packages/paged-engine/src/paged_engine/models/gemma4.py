@@ -53,7 +53,7 @@ from paged_engine.layers.embedding import VocabParallelEmbedding
 from paged_engine.layers.fused_moe import FusedMoE
 from paged_engine.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from paged_engine.layers.norm import UnitRMSNorm
-from paged_engine.layers.rotary import RotaryEmbedding, plain_rope_rows, rope_config
+from paged_engine.layers.rotary import RotaryEmbedding, plain_rope, rope_config
 from paged_engine.models.gemma2 import GemmaMLP, gemma_layer_types
 from paged_engine.models.olmo2 import Olmo2RMSNorm
 from paged_engine.models.utils import (
@@ -116,11 +116,8 @@ def _rope(config, layer_type: str, head_dim: int) -> RotaryEmbedding:
     theta, scaling, partial = rope_config(config, layer_type)
     kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
     max_position = int(config.max_position_embeddings)
-    rows = plain_rope_rows(max_position)
     if kind == "default":
-        return RotaryEmbedding(
-            head_dim, head_dim, max_position, theta, is_neox_style=True, num_positions=rows
-        )
+        return plain_rope(head_dim, head_dim, max_position, theta, is_neox_style=True)
     if kind != "proportional":
         raise ValueError(f"{layer_type} layers: unsupported rope_type {kind!r}")
     assert scaling is not None
@@ -128,14 +125,8 @@ def _rope(config, layer_type: str, head_dim: int) -> RotaryEmbedding:
     factor = float(scaling.get("factor") or 1.0)
     # RotaryEmbedding's frequencies are 1 / theta^(2i / D); a divisor of inf makes one 0.
     divisors = [factor] * angles + [float("inf")] * (head_dim // 2 - angles)
-    return RotaryEmbedding(
-        head_dim,
-        head_dim,
-        max_position,
-        theta,
-        is_neox_style=True,
-        freq_factors=divisors,
-        num_positions=rows,
+    return plain_rope(
+        head_dim, head_dim, max_position, theta, is_neox_style=True, freq_factors=divisors
     )
 
 

@@ -47,7 +47,7 @@ from paged_engine.layers.linear import (
     RowParallelLinear,
     copy_checked,
 )
-from paged_engine.layers.rotary import RotaryEmbedding, get_rope, plain_rope_rows, rope_config
+from paged_engine.layers.rotary import RotaryEmbedding, get_rope, plain_rope, rope_config
 from paged_engine.models.exaone_moe import ExaoneMoeForCausalLM
 from paged_engine.models.laguna import LayerTypeRopeModel
 from paged_engine.models.llama import llama_head_dim
@@ -79,10 +79,7 @@ def layer_rope(config, layer_type: str, head_dim: int) -> RotaryEmbedding:
     if scaling is None:
         partial = float(entry.get("partial_rotary_factor", 0.334))
         max_position = int(config.max_position_embeddings)
-        rows = plain_rope_rows(max_position)
-        return RotaryEmbedding(
-            head_dim, int(head_dim * partial), max_position, theta, num_positions=rows
-        )
+        return plain_rope(head_dim, int(head_dim * partial), max_position, theta)
     rope = get_rope(config, head_dim, layer_type=layer_type)
     want = int(head_dim * float(entry.get("partial_rotary_factor", 1.0)))
     if rope.rotary_dim != want:  # get_rope fell back to a top-level partial_rotary_factor

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from paged_engine.layers.embedding import ParallelLMHead
 from paged_engine.layers.linear import RowParallelLinear
-from paged_engine.layers.rotary import RotaryEmbedding, get_rope, plain_rope_rows, rope_config
+from paged_engine.layers.rotary import RotaryEmbedding, get_rope, plain_rope, rope_config
 from paged_engine.models.llama import LlamaDecoderLayer, LlamaModel, llama_head_dim
 from paged_engine.models.olmo2 import Olmo2DecoderLayer, Olmo2Model
 from paged_engine.models.qwen3 import Qwen3ForCausalLM
@@ -70,10 +70,7 @@ def _ropes(config: Any) -> tuple[RotaryEmbedding, RotaryEmbedding, set[int]]:
     head_dim = llama_head_dim(config)
     scaled = get_rope(config, head_dim, is_neox_style=True)
     theta, _, _ = rope_config(config)
-    max_position = int(config.max_position_embeddings)
-    plain = RotaryEmbedding(
-        head_dim, head_dim, max_position, theta, num_positions=plain_rope_rows(max_position)
-    )
+    plain = plain_rope(head_dim, head_dim, int(config.max_position_embeddings), theta)
     layers = cfg_get(config, "rope_scaling_layers", None)
     return scaled, plain, set(range(config.num_hidden_layers) if layers is None else layers)
 

@@ -21,7 +21,7 @@ rank.
 
 from __future__ import annotations
 
-from paged_engine.layers.rotary import RotaryEmbedding, get_rope, plain_rope_rows, rope_config
+from paged_engine.layers.rotary import RotaryEmbedding, get_rope, plain_rope, rope_config
 from paged_engine.models.gemma2 import check_sliding_has_window, gemma_layer_types
 from paged_engine.models.llama import llama_head_dim
 from paged_engine.models.olmo2 import Olmo2DecoderLayer, Olmo2ForCausalLM, Olmo2Model
@@ -40,13 +40,12 @@ def olmo3_ropes(config, head_dim: int, types: list[str]) -> dict[str, RotaryEmbe
         ropes["full_attention"] = get_rope(config, head_dim, is_neox_style=True)
     if "sliding_attention" in types:  # the same base, never scaled
         theta, _, partial = rope_config(config)
-        ropes["sliding_attention"] = RotaryEmbedding(
+        ropes["sliding_attention"] = plain_rope(
             head_dim=head_dim,
             rotary_dim=int(head_dim * partial),
             max_position=int(config.max_position_embeddings),
             base=theta,
             is_neox_style=True,
-            num_positions=plain_rope_rows(int(config.max_position_embeddings)),
         )
     return ropes
 

@@ -420,6 +420,132 @@ def test_config_values_refused_when_the_model_is_built(
         _load(path)
 
 
+_LONGROPE = {  # Phi-3's tiny head: 12 rotated dims, 6 factors each
+    "rope_type": "longrope",
+    "rope_theta": 10000.0,
+    "partial_rotary_factor": 0.75,
+    "long_factor": [1.0] * 6,
+    "original_max_position_embeddings": 64,
+}
+_NEOX_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
+_BAD_ARCH_CONFIGS = {  # (architecture, config changes, the error): refused by check_config
+    "NaN eps (NaN logits)": ("llama", {"rms_norm_eps": float("nan")}, "rms_norm_eps is NaN"),
+    "NaN routed_scaling_factor": (
+        "deepseek_v2",
+        {"routed_scaling_factor": float("nan")},
+        "routed_scaling_factor is NaN",
+    ),
+    "NaN in the rope dict": (
+        "deepseek_v3",
+        {
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "mscale": 0.0,
+                "mscale_all_dim": float("nan"),
+            }
+        },
+        "rope_parameters.mscale_all_dim is NaN",
+    ),
+    "negative eps (NaN logits)": ("olmo2", {"rms_norm_eps": -1.0}, "rms_norm_eps=-1.0 must not"),
+    "negative kv_lora_rank": ("deepseek_v2", {"kv_lora_rank": -8}, "kv_lora_rank=-8 must not"),
+    "negative n_inner": ("gpt2", {"n_inner": -4}, "n_inner=-4 must not be negative"),
+    "negative ffn_dim": ("opt", {"ffn_dim": -1}, "ffn_dim=-1 must not be negative"),
+    "negative rotary fraction": (
+        "gpt_neox",
+        {"rope_parameters": {**_NEOX_ROPE, "partial_rotary_factor": -0.5}},
+        "partial_rotary_factor=-0.5 must be a number from 0 to 1",
+    ),
+    "LongRoPE factor 0 (NaN logits)": (
+        "phi3",
+        {
+            "rope_parameters": {**_LONGROPE, "short_factor": [0.0] * 6},
+            "original_max_position_embeddings": 64,
+        },
+        "short_factor must be a list of positive numbers",
+    ),
+    "LongRoPE original context 0": (
+        "phi3",
+        {
+            "rope_parameters": {
+                **_LONGROPE,
+                "short_factor": [1.0] * 6,
+                "original_max_position_embeddings": 0,
+            },
+            "original_max_position_embeddings": 0,
+        },
+        "original_max_position_embeddings=0 must be positive",
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    "arch,changes,match", _BAD_ARCH_CONFIGS.values(), ids=list(_BAD_ARCH_CONFIGS)
+)
+def test_config_numbers_refused_before_the_model_is_built(
+    tiny_model_factory, tmp_path, arch, changes, match
+):
+    """NaN anywhere, a negative width, eps or rotated fraction, a LongRoPE factor or original
+    context of 0: each gave NaN logits or torch's 'negative dimension' RuntimeError."""
+    path = Path(shutil.copytree(tiny_model_factory(arch), tmp_path / arch))
+    _config(path, **changes)
+    with pytest.raises(ValueError, match=re.escape(match)) as err:
+        loader.load_hf_config(loader.resolve_model(path))
+    assert str(path / "config.json") in str(err.value)
+
+
+_BAD_MODEL_CONFIGS = {  # (architecture, config changes, the error): refused building the model
+    "GPT-2 heads not dividing": ("gpt2", {"n_head": 5}, "n_head=5 must be positive and divide"),
+    "OPT heads not dividing": (
+        "opt",
+        {"num_attention_heads": 5},
+        "num_attention_heads=5 must be positive and divide",
+    ),
+    "BLOOM no heads": ("bloom", {"n_head": 0}, "n_head=0 must be positive and divide"),
+    "BLOOM heads not dividing": ("bloom", {"n_head": 5}, "n_head=5 must be positive and divide"),
+    "MPT heads not dividing": ("mpt", {"n_heads": 5}, "n_heads=5 must be positive and divide"),
+    "Falcon no KV heads": ("falcon", {"num_kv_heads": 0}, "num_kv_heads=0 must be positive"),
+    "Mamba2 no groups": ("mamba2", {"n_groups": 0}, "n_groups=0 must be positive"),
+    "Mamba2 one time_step_limit": (
+        "mamba2",
+        {"time_step_limit": [0.1]},
+        "time_step_limit=[0.1] must be two numbers",
+    ),
+    "GatedDeltaNet no key heads": (
+        "qwen3_next",
+        {"linear_num_key_heads": 0},
+        "linear_num_key_heads=0 (a positive integer)",
+    ),
+    # a config width below the checkpoint's: its leading rows were loaded, silently
+    "MLP narrower than the checkpoint": ("llama", {"intermediate_size": 64}, "expected 64 along"),
+    "MLP width 0": ("opt", {"ffn_dim": 0}, "expected 0 along"),
+    "GPT-2 n_inner below the checkpoint": ("gpt2", {"n_inner": 128}, "expected 128 along"),
+    "MLA v_head_dim below the checkpoint": ("deepseek_v2", {"v_head_dim": 8}, "expected 32 along"),
+    "shared expert narrower": (
+        "qwen2_moe",
+        {"shared_expert_intermediate_size": 32},
+        "expected 32 along",
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    "arch,changes,match", _BAD_MODEL_CONFIGS.values(), ids=list(_BAD_MODEL_CONFIGS)
+)
+def test_config_shapes_refused_when_the_model_is_built(
+    tiny_model_factory, tmp_path, arch, changes, match
+):
+    """Heads that do not divide the hidden size (a matmul RuntimeError at the first request),
+    0 heads / groups (a TypeError, a ZeroDivisionError), a malformed dt limit (an IndexError),
+    and widths the checkpoint's tensors do not have are ValueErrors naming them."""
+    path = Path(shutil.copytree(tiny_model_factory(arch), tmp_path / arch))
+    _config(path, **changes)
+    with pytest.raises(ValueError, match=re.escape(match)):
+        _load(path)
+
+
 def test_positions_past_memory_are_refused_naming_max_model_len(model_dir):
     """max_model_len defaults to the config's max_position_embeddings: 10**15 of them ask the
     rope tables for petabytes, refused with the option to lower instead of the allocator's

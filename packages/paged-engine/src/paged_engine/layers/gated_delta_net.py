@@ -74,9 +74,10 @@ class GatedDeltaNet(LinearMixer):
         self.tp_size, self.tp_rank = tp, rank
         hidden = config.hidden_size
         num_k, num_v = int(config.linear_num_key_heads), int(config.linear_num_value_heads)
-        if num_v % num_k:
+        if num_k <= 0 or num_v % num_k:
             raise ValueError(
                 f"linear_num_value_heads={num_v} must be a multiple of linear_num_key_heads={num_k}"
+                " (a positive integer)"
             )
         check_mixer(
             type(self).__name__,

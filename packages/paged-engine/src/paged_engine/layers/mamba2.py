@@ -105,8 +105,8 @@ class Mamba2Mixer(LinearMixer):
         self.tp_size, self.tp_rank = tp, rank
         heads, groups, head_dim = spec.num_heads, spec.num_groups, spec.head_dim
         inner = heads * head_dim
-        if heads % groups:
-            raise ValueError(f"Mamba2: {groups} groups do not divide {heads} heads")
+        if groups <= 0 or heads % groups:
+            raise ValueError(f"Mamba2: n_groups={groups} must be positive and divide {heads} heads")
         check_mixer("Mamba2Mixer", None, tp, mamba_heads=heads)
         # Groups split over the ranks, or (one group) replicated on every rank: then the norm,
         # whose one group spans every rank's channels, sums its squares across them.
@@ -166,6 +166,8 @@ class Mamba2Mixer(LinearMixer):
             scale = torch.cat([torch.full((n,), float(m)) for n, m in pairs])
         self.register_buffer("in_scale", scale, persistent=False)
         limit = tuple(spec.dt_limit)
+        if len(limit) != 2:
+            raise ValueError(f"time_step_limit={list(limit)} must be two numbers (min, max)")
         self.dt_limit = None if limit == (0.0, float("inf")) else (float(limit[0]), float(limit[1]))
         # A token's update differs as a prompt token (clamped) and as a generated one: neither
         # the state nor the KV above it after generated tokens stand for a prompt of the same

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 
 import torch
 
+from paged_engine.checkpoint_checks import check_heads_divide
 from paged_engine.layers.attention import Attention
 from paged_engine.layers.norm import LayerNorm
 from paged_engine.layers.rotary import RotaryEmbedding
@@ -105,6 +106,7 @@ class BloomForCausalLM(CausalLMBase):
                 "BLOOM with apply_residual_connection_post_layernorm=True (the residual taken "
                 "after the LayerNorm) is not supported; no released checkpoint sets it"
             )
+        check_heads_divide(config.hidden_size, config.num_attention_heads, "hidden_size", "n_head")
         view = copy.copy(config)  # Llama's names for the shared modules
         view.num_key_value_heads = config.num_attention_heads
         view.intermediate_size = 4 * config.hidden_size

@@ -52,8 +52,11 @@ _RENAMES = (
 
 def falcon_kv_heads(config) -> int:
     heads = config.num_attention_heads
-    kv_heads = cfg_get(config, "num_kv_heads", None) or heads
+    given = cfg_get(config, "num_kv_heads", None)
+    kv_heads = given or heads
     if cfg_get(config, "new_decoder_architecture", False):
+        if given is not None and given <= 0:  # (`or heads`: KV heads the weights lack)
+            raise ValueError(f"num_kv_heads={given} must be positive")
         return kv_heads
     if cfg_get(config, "multi_query", True):
         return 1

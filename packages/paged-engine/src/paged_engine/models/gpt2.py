@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
+from paged_engine.checkpoint_checks import check_heads_divide
 from paged_engine.layers.activation import get_act_fn
 from paged_engine.layers.attention import Attention
 from paged_engine.layers.embedding import VocabParallelEmbedding
@@ -25,7 +26,7 @@ class GPT2Attention(nn.Module):
     def __init__(self, config, layer_idx: int):
         super().__init__()
         d, heads = config.hidden_size, config.num_attention_heads
-        head_dim = d // heads
+        head_dim = check_heads_divide(d, heads, "n_embd", "n_head")
         scale = head_dim**-0.5 if cfg_get(config, "scale_attn_weights", True) else 1.0
         if cfg_get(config, "scale_attn_by_inverse_layer_idx", False):
             scale /= layer_idx + 1

@@ -20,6 +20,7 @@ from collections.abc import Iterable
 
 import torch
 
+from paged_engine.checkpoint_checks import check_heads_divide
 from paged_engine.layers.norm import LayerNorm
 from paged_engine.layers.rotary import RotaryEmbedding
 from paged_engine.models.bloom import BloomModel, use_alibi
@@ -79,6 +80,7 @@ class MptForCausalLM(CausalLMBase):
     def __init__(self, config):
         _check(config)
         heads, d = config.num_attention_heads, config.hidden_size
+        check_heads_divide(d, heads, "d_model", "n_heads")
         view = copy.copy(config)  # Llama's names for the shared modules
         view.num_key_value_heads = heads
         view.intermediate_size = 4 * d  # transformers' MLP ignores expansion_ratio

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from paged_engine.checkpoint_checks import check_heads_divide
 from paged_engine.distributed.parallel_state import get_parallel_state
 from paged_engine.layers.activation import get_act_fn
 from paged_engine.layers.attention import Attention
@@ -25,7 +26,7 @@ class OPTAttention(nn.Module):
         super().__init__()
         hidden, heads = config.hidden_size, config.num_attention_heads
         bias = cfg_get(config, "enable_bias", True)
-        self.head_dim = hidden // heads
+        self.head_dim = check_heads_divide(hidden, heads, "hidden_size", "num_attention_heads")
         self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, heads, heads, bias=bias)
         self.out_proj = RowParallelLinear(hidden, hidden, bias=bias)
         local = self.qkv_proj.num_heads  # this rank's heads

@@ -64,6 +64,19 @@ def copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     dst.copy_(src)
 
 
+def narrow_full(
+    w: torch.Tensor, dim: int, start: int, n: int, full: int, name: str
+) -> torch.Tensor:
+    """`w.narrow(dim, start, n)` where `w` has the `full` size along `dim` the layer was built
+    for: a checkpoint tensor larger than the config describes (a smaller intermediate_size in
+    config.json) would otherwise load its leading rows silently."""
+    if w.dim() <= dim or w.shape[dim] != full:
+        raise ValueError(
+            f"shape mismatch loading {name}: expected {full} along dim {dim}, got {tuple(w.shape)}"
+        )
+    return w.narrow(dim, start, n)
+
+
 def shard_segments(w: torch.Tensor, sizes: list[int], rank: int, tp: int) -> torch.Tensor:
     """Rows of several segments stacked along dim 0 (full sizes `sizes`) -> this rank's rows
     of each, stacked in the same order (a fused projection whose parts split separately)."""
@@ -128,7 +141,8 @@ class ColumnParallelLinear(LinearBase):
 
     def weight_loader(self, param, loaded_weight, shard_id=None) -> None:
         n = param.shape[0]
-        copy_checked(param.data, loaded_weight.narrow(0, self.tp_rank * n, n), "column shard")
+        src = narrow_full(loaded_weight, 0, self.tp_rank * n, n, n * self.tp_size, "column shard")
+        copy_checked(param.data, src, "column shard")
 
 
 class RowParallelLinear(LinearBase):
@@ -152,7 +166,8 @@ class RowParallelLinear(LinearBase):
             copy_checked(param.data, loaded_weight, "row bias")
             return
         n = param.shape[1]
-        copy_checked(param.data, loaded_weight.narrow(1, self.tp_rank * n, n), "row shard")
+        src = narrow_full(loaded_weight, 1, self.tp_rank * n, n, n * self.tp_size, "row shard")
+        copy_checked(param.data, src, "row shard")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self._linear(x, self.bias if self.tp_rank == 0 else None)
@@ -183,8 +198,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         idx = int(shard_id)
         size = self.output_sizes[idx] // self.tp_size
         offset = sum(self.output_sizes[:idx]) // self.tp_size
-        src = loaded_weight.narrow(0, self.tp_rank * size, size)
-        copy_checked(param.data.narrow(0, offset, size), src, f"merged shard {idx}")
+        name = f"merged shard {idx}"
+        src = narrow_full(loaded_weight, 0, self.tp_rank * size, size, size * self.tp_size, name)
+        copy_checked(param.data.narrow(0, offset, size), src, name)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -233,5 +249,8 @@ class QKVParallelLinear(ColumnParallelLinear):
             size, rank = kv_size, self.tp_rank // self.kv_replicas
         else:
             raise ValueError(f"bad QKV shard_id {shard_id!r}")
-        src = loaded_weight.narrow(0, rank * size, size)
-        copy_checked(param.data.narrow(0, offset, size), src, f"qkv shard {shard_id}")
+        # (a KV head replicated on kv_replicas ranks: tp_size / kv_replicas of them in all)
+        ranks = self.tp_size if shard_id == "q" else self.tp_size // self.kv_replicas
+        name = f"qkv shard {shard_id}"
+        src = narrow_full(loaded_weight, 0, rank * size, size, size * ranks, name)
+        copy_checked(param.data.narrow(0, offset, size), src, name)

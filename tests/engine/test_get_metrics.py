@@ -131,3 +131,37 @@ def test_a_request_whose_grammar_compiles_waits_deferred(tiny_llama_dir, monkeyp
     while engine.has_unfinished_requests():
         engine.step()
     assert waiting() == {"all": 0.0, "capacity": 0.0, "deferred": 0.0}
+
+
+@pytest.mark.parametrize("env", ["PAGED_COMPUTE_NANS_IN_LOGITS", "VLLM_COMPUTE_NANS_IN_LOGITS"])
+def test_corrupted_requests_count_nan_logits_when_asked(tiny_llama_dir, monkeypatch, env):
+    """vLLM's corrupted_requests: with its switch set, a request whose logits hold a NaN (a
+    prompt reading an embedding row set to NaN) counts once, greedy, sampled, n > 1 or beams;
+    the requests beside it run as before. Without the switch there is no such metric."""
+    from paged_engine import BeamSearchParams
+
+    llm = LLM(str(tiny_llama_dir), max_model_len=64)
+    assert llm.get_stats().corrupted_requests is None
+    assert "vllm:corrupted_requests" not in _by_name(llm.get_metrics())
+    llm.llm_engine.shutdown()
+    monkeypatch.setenv(env, "1")
+    llm = LLM(str(tiny_llama_dir), max_model_len=64)
+    clean = [{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [8, 9]}]
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(clean, greedy, use_tqdm=False)]
+    llm.apply_model(lambda m: m.model.embed_tokens.weight.data[13].fill_(float("nan")))
+    bad = {"prompt_token_ids": [5, 13, 7]}
+    sampled = SamplingParams(temperature=1.0, n=2, max_tokens=3, ignore_eos=True, seed=0)
+    outs = llm.generate([clean[0], bad, clean[1], bad], [greedy, greedy, greedy, sampled])
+    assert [outs[0].outputs[0].token_ids, outs[2].outputs[0].token_ids] == want
+    assert llm.get_stats().corrupted_requests == 2
+    llm.beam_search([bad], BeamSearchParams(beam_width=2, max_tokens=2))
+    assert _by_name(llm.get_metrics())["vllm:corrupted_requests"].value == 3
+    llm.llm_engine.shutdown()
+    # with speculative decoding on
+    ngram = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1}
+    llm = LLM(str(tiny_llama_dir), max_model_len=64, speculative_config=ngram)
+    llm.apply_model(lambda m: m.model.embed_tokens.weight.data[13].fill_(float("nan")))
+    llm.generate([{"prompt_token_ids": [5, 6, 5, 6, 5, 13]}], greedy, use_tqdm=False)
+    assert llm.get_stats().corrupted_requests == 1
+    llm.llm_engine.shutdown()

@@ -90,6 +90,8 @@ def snapshot(stats: Any, latency: RequestLatency, model_name: str) -> list[Metri
         Counter("vllm:prompt_tokens_by_source", {**labels, "source": src}, getattr(stats, field))
         for src, field in PROMPT_TOKEN_SOURCES
     ]
+    if stats.corrupted_requests is not None:  # PAGED_COMPUTE_NANS_IN_LOGITS
+        out.append(Counter("vllm:corrupted_requests", dict(labels), stats.corrupted_requests))
     if stats.mm_cache_queries is not None:  # an image processor cache
         out.append(Counter("vllm:mm_cache_queries", dict(labels), stats.mm_cache_queries))
         out.append(Counter("vllm:mm_cache_hits", dict(labels), stats.mm_cache_hits))

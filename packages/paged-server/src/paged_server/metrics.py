@@ -128,6 +128,12 @@ _ENGINE_METRICS = (
     ),
     ("paged:num_preemptions_total", "num_preemptions", "counter", "Preemptions (recompute)."),
     (
+        "paged:corrupted_requests_total",
+        "corrupted_requests",
+        "counter",
+        "Requests whose logits held a NaN (PAGED_COMPUTE_NANS_IN_LOGITS=1 only).",
+    ),
+    (
         "paged:prompt_tokens_cached_total",
         "prompt_tokens_cached",
         "counter",

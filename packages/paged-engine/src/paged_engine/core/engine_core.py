@@ -60,6 +60,7 @@ from paged_engine.core.step_apply import StepApplier
 from paged_engine.core.step_isolation import RequestFailedError, StepIsolation
 from paged_engine.engine.request_latency import ITERATION_TOKENS_BUCKETS, Histogram
 from paged_engine.executor.base import EngineDeadError, Executor, RunnerOutputHandle
+from paged_engine.worker.runner_output import counts_nans_in_logits
 
 if TYPE_CHECKING:
     from paged_engine.structured_output.manager import StructuredOutputManager
@@ -99,6 +100,9 @@ class EngineCore(StepApplier, StepIsolation):
         self._discard: set[int] = set()
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        # vLLM's corrupted_requests: the runner flags NaN logits only where this is set
+        self.counts_nans = counts_nans_in_logits()
+        self.corrupted_requests = 0
         self.peak_used_blocks = 0
         # tokens each submitted step runs (prompt chunks, decode tokens, drafts): vLLM's
         # iteration_tokens_total; observed on the engine thread, read on others

@@ -188,6 +188,8 @@ class Request:
     mm_inputs: tuple = ()
     # Qwen-VL with images: the prompt's M-RoPE positions (multimodal/mrope.py MropePositions)
     mrope: Any = None
+    # PAGED_COMPUTE_NANS_IN_LOGITS: a step's logits for it held a NaN (vLLM's corrupted request)
+    corrupted: bool = False
 
     def __post_init__(self) -> None:
         params = self.params

@@ -41,6 +41,7 @@ class StepApplier:
     max_model_len: int
     generation_tokens_total: int
     peak_used_blocks: int
+    corrupted_requests: int  # requests a step's logits held a NaN for (counted once each)
     _discard: set[int]  # kv_transfer: sequences sent back to recompute (_drop_failed_loads)
 
     def _apply(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[EngineCoreOutput]:
@@ -72,6 +73,11 @@ class StepApplier:
             if seq is not None:
                 req = seq.request
                 (outputs.get(req.request_id) or self._new_output(req, outputs)).pooled = pooled
+        for seq_id in out.nan_seq_ids:  # (PAGED_COMPUTE_NANS_IN_LOGITS)
+            seq = live.get(seq_id)
+            if seq is not None and not seq.request.corrupted:
+                seq.request.corrupted = True
+                self.corrupted_requests += 1
         spec = sched.spec_token_ids
         i, n = 0, len(ids)
         # One iteration per sampled sequence. The common one (one token, no grammar) is inlined:

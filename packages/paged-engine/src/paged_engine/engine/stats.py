@@ -88,6 +88,9 @@ class EngineStats:
     # Waiting requests that could not be admitted even with room (vLLM's `deferred` waiting
     # reason): grammar still compiling, LoRA adapter over max_loras; the rest wait for capacity
     num_waiting_deferred: int = 0
+    # Requests whose logits held a NaN (vLLM's corrupted_requests; None unless
+    # PAGED_COMPUTE_NANS_IN_LOGITS / VLLM_COMPUTE_NANS_IN_LOGITS is set)
+    corrupted_requests: int | None = None
 
 
 def waiting_by_reason(stats: EngineStats) -> tuple[tuple[str, int], ...]:
@@ -141,6 +144,7 @@ def engine_stats(engine: LLMEngine) -> EngineStats:
         prompt_tokens_cached=sources.cached,
         prompt_tokens_recomputed=sources.recomputed,
         iteration_tokens=core.iteration_tokens.snapshot(),
+        corrupted_requests=core.corrupted_requests if core.counts_nans else None,
         **_mm_cache_stats(engine),
         **_spec_stats(engine.draft_planner),
         **_lora_stats(engine),

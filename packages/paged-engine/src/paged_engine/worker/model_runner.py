@@ -51,6 +51,7 @@ from paged_engine.worker.recurrent_state import (
     resolve_ssm_dtype,
     state_pools,
 )
+from paged_engine.worker.runner_output import counts_nans_in_logits
 from paged_engine.worker.sampling_inputs import SamplingInputs
 from paged_engine.worker.stage_outputs import StageOutputs
 from paged_engine.worker.step_execution import StepExecution, _model_dtype
@@ -105,6 +106,7 @@ class ModelRunner(StepExecution, InputPreparer, StepSampling):
         # engine that verifies keeps one noise source for every row, so no race kernel there.
         race = None if config.speculative_config else sampling_race(backend.name, device)
         self.sampler = Sampler(config.seed, invariant_logsumexp(invariant), race)
+        self.count_nans = counts_nans_in_logits()  # vLLM's VLLM_COMPUTE_NANS_IN_LOGITS
         self.parallel = get_parallel_state()
         # What one pipeline stage hands the next: [T, hidden_size] (OPT projects only at the ends).
         self.stage_width = int(hf_config.hidden_size)

@@ -9,12 +9,22 @@ Beam rows are not sampled: they return their top-k raw logprobs (`beam_topk`).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
 
 from paged_engine.core.core_output import LogprobsLists, PromptLogprobsChunk
 from paged_engine.sample.logprobs import unpack
+
+# vLLM's switch for its corrupted_requests counter: the runner checks each step's logits for NaN
+NANS_IN_LOGITS_ENV = ("PAGED_COMPUTE_NANS_IN_LOGITS", "VLLM_COMPUTE_NANS_IN_LOGITS")
+
+
+def counts_nans_in_logits() -> bool:
+    """Whether PAGED_COMPUTE_NANS_IN_LOGITS (or vLLM's name) is set to a true value."""
+    value = next((os.environ[k] for k in NANS_IN_LOGITS_ENV if k in os.environ), "0")
+    return value.strip().lower() not in ("", "0", "false", "no", "off")
 
 
 @dataclass(slots=True)
@@ -30,6 +40,8 @@ class ModelRunnerOutput:
     # kv_transfer_config: blocks the step should have loaded from storage and could not (their
     # sequences ran on stale KV: the engine core drops their results and recomputes them)
     invalid_block_ids: list[int] = field(default_factory=list)
+    # counts_nans_in_logits(): the sequences whose logits held a NaN this step
+    nan_seq_ids: list[int] = field(default_factory=list)
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
@@ -55,6 +67,7 @@ class AsyncRunnerOutput:
         beam: tuple[list[int], list[int], torch.Tensor, torch.Tensor] | None,
         prompt: list[tuple[int, int, int, torch.Tensor]],  # (seq_id, start, k, packed)
         pooled: list[tuple[int, int, int, torch.Tensor]] | None = None,  # worker/pooler.py
+        nans: list[tuple[list[int], torch.Tensor]] | None = None,  # (seq ids, [rows] bool)
     ) -> None:
         self.step_id = step_id
         self._seq_ids = seq_ids
@@ -67,6 +80,7 @@ class AsyncRunnerOutput:
             self._beam = (beam_ids, ks, _to_host(lps), _to_host(ids))
         self._prompt = [(sid, start, k, _to_host(p)) for sid, start, k, p in prompt]
         self._pooled = [(sid, start, n, _to_host(v)) for sid, start, n, v in pooled or ()]
+        self._nans = [(ids, _to_host(flags)) for ids, flags in nans or ()]
         self._event = None
         device = next(
             (t.device for t in (token_ids, logprobs) if t is not None), torch.device("cpu")
@@ -107,5 +121,7 @@ class AsyncRunnerOutput:
             )
         for sid, start, n, vec in self._pooled:
             out.pooled[sid] = (start, n, vec.tolist())
+        nan = {sid for ids, flags in self._nans for sid, f in zip(ids, flags.tolist()) if f}
+        out.nan_seq_ids = sorted(nan)
         self._result = out
         return out

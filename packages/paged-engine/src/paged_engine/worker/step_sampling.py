@@ -52,6 +52,7 @@ class StepSampling:
     logits_procs: CustomLogitsProcessors | None
     draft: DraftModelRunner | None
     states: RecurrentStatePool | None
+    count_nans: bool  # PAGED_COMPUTE_NANS_IN_LOGITS: flag the rows whose logits hold a NaN
 
     def _sample(
         self,
@@ -68,15 +69,18 @@ class StepSampling:
         track_history = False
         # each entry's first index in the flat output and its count (drafted rows emit several)
         flat = emitted = None
+        nans: list[tuple[list[int], torch.Tensor]] | None = [] if self.count_nans else None
         if src.size and sched.spec_token_ids:
             rows = inputs.rows[src]
             track_history = bool(batch.tracks[rows].any())
             seq_ids, tokens, packed_lp, num_logprobs, flat, emitted = self._sample_drafts(
-                sched, cached, inputs, hidden, src, sample_no, seq_ids, proposal
+                sched, cached, inputs, hidden, src, sample_no, seq_ids, proposal, nans
             )
         elif src.size:
             hidden_rows = self._to_dev(inputs.cu[src + 1] - 1)
             logits = self.compute_logits(hidden.index_select(0, hidden_rows))
+            if nans is not None:
+                nans.append((seq_ids, logits.isnan().any(-1)))
             rows = inputs.rows[src]
             track_history = bool(batch.tracks[rows].any())
             out_pos = inputs.seq_lens[src] - batch.num_prompt[rows]  # outputs before this one
@@ -98,6 +102,8 @@ class StepSampling:
             beam_logits = self.compute_logits(hidden.index_select(0, rows_d))
             lps, ids = log_softmax_topk(beam_logits, max(ks), self.sampler.logsumexp)
             beam = ([cached[i].seq_id for i in beam_idx], ks, lps, ids)
+            if nans is not None:
+                nans.append((beam[0], beam_logits.isnan().any(-1)))
         prompt = self._prompt_logprobs(sched, cached, inputs, hidden)
         pooled = (
             pool_hidden(batch, sched, cached, inputs, hidden, getattr(self.model, "classify", None))
@@ -105,13 +111,15 @@ class StepSampling:
             else []
         )
         handle = AsyncRunnerOutput(
-            sched.step_id, seq_ids, tokens, packed_lp, num_logprobs, beam, prompt, pooled
+            sched.step_id, seq_ids, tokens, packed_lp, num_logprobs, beam, prompt, pooled, nans
         )
         if track_history:
             self.sampling.track_history(handle, cached, src, sample_no, flat, emitted)
         return handle
 
-    def _sample_drafts(self, sched, cached, inputs, hidden, src, sample_no, seq_ids, proposal):
+    def _sample_drafts(
+        self, sched, cached, inputs, hidden, src, sample_no, seq_ids, proposal, nans=None
+    ):
         """Sampling in a step where some rows carry drafts: each entry samples at its last
         1 + d positions (d its drafts, 0 for rows without) and the rejection sampler keeps what
         the target's distribution allows (q: the draft model's `proposal`, else point masses).
@@ -134,6 +142,8 @@ class StepSampling:
         out_pos_x = np.repeat(out_pos, reps) + step
         seq_ids_x = [s for s, r in zip(seq_ids, reps.tolist()) for _ in range(r)]
         raw = self.compute_logits(hidden.index_select(0, self._to_dev(hidden_rows))).float()
+        if nans is not None:  # (an entry's draft rows too)
+            nans.append((seq_ids_x, raw.isnan().any(-1)))
         drafts_x = np.full(raw.shape[0], -1, dtype=np.int64)
         for e in np.flatnonzero(num_drafts).tolist():
             drafts_x[first_row[e] : first_row[e] + num_drafts[e]] = spec[seq_ids[e]]

@@ -88,11 +88,49 @@ def _part(scheme: BnbScheme, name: str, t: torch.Tensor) -> tuple[str, str] | No
     return None
 
 
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _quant_state(t: torch.Tensor, name: str) -> dict:
+    """A layer's quant_state JSON, checked: its shape and block sizes positive integers."""
+    what = f"{name}.weight.quant_state"
+    try:
+        state = json.loads(bytes(t.cpu().to(torch.uint8).tolist()).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{what}: not UTF-8 JSON: {e}") from None
+    if not isinstance(state, dict):
+        raise ValueError(f"{what}: expected a JSON object, got {type(state).__name__}")
+    shape = state.get("shape")
+    if not isinstance(shape, list) or not shape or not all(_positive_int(v) for v in shape):
+        raise ValueError(f"{what}: shape {shape!r} is not a list of positive integers")
+    keys = ("blocksize", "nested_blocksize") if "nested_blocksize" in state else ("blocksize",)
+    for key in keys:
+        if not _positive_int(state.get(key)):
+            raise ValueError(f"{what}: {key} {state.get(key)!r} is not a positive integer")
+    if "nested_blocksize" in state and not isinstance(state.get("nested_offset"), (int, float)):
+        raise ValueError(f"{what}: nested_offset {state.get('nested_offset')!r} is not a number")
+    return state
+
+
+def _finite(t: torch.Tensor, what: str) -> torch.Tensor:
+    if not bool(torch.isfinite(t).all()):
+        raise ValueError(f"{what}: holds NaN or infinite scales")
+    return t
+
+
 def dequantize_4bit(parts: dict[str, torch.Tensor], name: str) -> torch.Tensor:
     """One 4-bit layer's parts (on one device) -> its float32 weight."""
-    state = json.loads(bytes(parts["weight.quant_state"].cpu().tolist()).decode("utf-8"))
+    state = _quant_state(parts["weight.quant_state"], name)
     shape = [int(v) for v in state["shape"]]
     block = int(state["blocksize"])
+    # a code book per code value: 16 for the 4-bit codes, 256 for the 8-bit nested absmax
+    books = {"weight.quant_map": 16, "weight.nested_quant_map": 256}
+    for part, size in books.items():
+        if part in parts and parts[part].numel() != size:
+            raise ValueError(
+                f"{name}.{part}: {parts[part].numel()} entries, not one per code ({size})"
+            )
     n = 1
     for v in shape:
         n *= v
@@ -107,11 +145,16 @@ def dequantize_4bit(parts: dict[str, torch.Tensor], name: str) -> torch.Tensor:
                 f"{name}: double-quantized scales without nested_absmax (the config does not "
                 "say bnb_4bit_use_double_quant)"
             )
-        nested = parts["weight.nested_absmax"].float()
+        nested = _finite(parts["weight.nested_absmax"].float(), f"{name}.weight.nested_absmax")
         book = parts["weight.nested_quant_map"].float()
         j = torch.arange(absmax.numel(), device=absmax.device) // int(state["nested_blocksize"])
+        if absmax.dtype != torch.uint8 or nested.numel() != (int(j[-1]) + 1 if j.numel() else 0):
+            raise ValueError(
+                f"{name}: double-quantized absmax ({absmax.dtype}, {absmax.numel()}) does not "
+                f"match nested_absmax ({nested.numel()}) in blocks of {state['nested_blocksize']}"
+            )
         absmax = book[absmax.reshape(-1).long()] * nested[j] + float(state["nested_offset"])
-    absmax = absmax.float().reshape(-1)
+    absmax = _finite(absmax.float().reshape(-1), f"{name}.weight.absmax")
     if absmax.numel() != -(-n // block):
         raise ValueError(f"{name}: {absmax.numel()} scales for {n} values in blocks of {block}")
     values = parts["weight.quant_map"].float()[codes]
@@ -147,8 +190,13 @@ def unpack_bnb_weights(
         del waiting[prefix]
         on_device = {p: v.to(device) for p, v in parts.items()}
         if scheme.bits == 8:
-            scb = on_device["SCB"].float().reshape(-1, 1)
-            w = on_device["weight"].float() * scb * _INV_127
+            q, scb = on_device["weight"], _finite(on_device["SCB"].float(), f"{prefix}.SCB")
+            if q.dim() != 2 or scb.numel() != q.shape[0]:
+                raise ValueError(
+                    f"{prefix}.SCB: {tuple(scb.shape)} row scales for an int8 weight of "
+                    f"{tuple(q.shape)}"
+                )
+            w = q.float() * scb.reshape(-1, 1) * _INV_127
         else:
             w = dequantize_4bit(on_device, prefix)
         yield prefix + ".weight", w.to(dtype)

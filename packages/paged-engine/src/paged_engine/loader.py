@@ -158,7 +158,10 @@ def _load_hf_config(
     from transformers import AutoConfig
 
     source = resolved.path / "config.json"
-    _check_json_object(source)
+    raw = _check_json_object(source) or {}
+    quant = raw.get("quantization_config")  # (transformers calls .to_dict() on it, and raises)
+    if quant is not None and not isinstance(quant, dict):
+        raise ValueError(f"{source}: quantization_config is not a JSON object")
 
     from paged_engine.models.ultravox_config import register as register_ultravox
     from paged_engine.models.ultravox_linked import remember_hub
@@ -186,16 +189,18 @@ def _load_hf_config(
     return with_kv_head_count(text_only_config(config)), source
 
 
-def _check_json_object(file: Path) -> None:
-    """ValueError naming `file` where it exists but is not a UTF-8 JSON object."""
+def _check_json_object(file: Path) -> dict | None:
+    """The UTF-8 JSON object in `file` (None where there is no file); ValueError naming `file`
+    where it is anything else."""
     if not file.is_file():
-        return
+        return None
     try:
         data = json.loads(file.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"{file} is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise ValueError(f"{file} is not a JSON object")
+    return data
 
 
 def apply_hf_overrides(config, overrides: dict | None):

@@ -63,10 +63,22 @@ class PackedScheme:
     # GPTQModel's `dynamic` "+:" overrides: (pattern, bits), the first re.match of a layer's
     # checkpoint name wins
     overrides: tuple[tuple[re.Pattern[str], int], ...] = ()
+    # the config's inputs per scale group (-1: one group a row), checked against each layer's
+    # scales; None where the config names none for every layer alike
+    group_size: int | None = None
 
     def bits_of(self, layer: str) -> int:
         """The bits of the layer named `layer` (its checkpoint prefix)."""
         return next((bits for pattern, bits in self.overrides if pattern.match(layer)), self.bits)
+
+
+def _group_size(value, what: str) -> int | None:
+    """A config's group_size: a positive integer or -1 (one group a row); None if unset."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or (value < 1 and value != -1):
+        raise ValueError(f"{what} group_size {value!r} is not a positive integer or -1")
+    return value
 
 
 def packed_scheme(config) -> PackedScheme | None:
@@ -111,6 +123,7 @@ def packed_scheme(config) -> PackedScheme | None:
             () if desc_act else ("g_idx",),
             zero_offset=1 if fmt == "gptq" else 0,
             overrides=tuple(overrides),
+            group_size=_group_size(_get(quant, "group_size"), "gptq"),
         )
     if method == "awq":
         bits = _get(quant, "bits", _get(quant, "w_bit", 4))
@@ -123,10 +136,13 @@ def packed_scheme(config) -> PackedScheme | None:
             )
         if _get(quant, "zero_point", True) is False:
             raise ValueError("awq without zero points (zero_point=false) is not supported")
-        return PackedScheme("awq", 4, ("qweight", "qzeros", "scales"))
+        group = _get(quant, "group_size", _get(quant, "q_group_size"))
+        return PackedScheme(
+            "awq", 4, ("qweight", "qzeros", "scales"), group_size=_group_size(group, "awq")
+        )
     if method == "compressed-tensors" and _get(quant, "format") == "pack-quantized":
         groups = list((_get(quant, "config_groups") or {}).items())
-        schemes = set()
+        schemes, sizes = set(), set()
         for name, group in groups:
             weights = _get(group, "weights") or {}
             if _get(weights, "type", "int") != "int":
@@ -141,6 +157,14 @@ def packed_scheme(config) -> PackedScheme | None:
                     _get(weights, "actorder") == "group",
                 )
             )
+            strategy = _get(weights, "strategy")
+            what = f"compressed-tensors group {name!r}"
+            if strategy in ("channel", "tensor"):
+                sizes.add(-1)
+            elif strategy == "group":
+                sizes.add(_group_size(_get(weights, "group_size"), what))
+            else:  # another strategy (unset, block): its scales' shape is not checked
+                sizes.add(None)
         if len(schemes) != 1:
             raise ValueError(
                 "compressed-tensors pack-quantized: config groups with different bits, "
@@ -160,6 +184,8 @@ def packed_scheme(config) -> PackedScheme | None:
             bits,
             required,
             dropped + (("weight_zero_point",) if symmetric else ()),
+            # groups of different sizes (targets apart): not checked
+            group_size=sizes.pop() if len(sizes) == 1 else None,
         )
     return None
 
@@ -236,6 +262,19 @@ def _groups(k: int, num_groups: int, g_idx: torch.Tensor | None, name: str) -> t
     return torch.arange(k, device="cpu").div_(k // num_groups, rounding_mode="floor")
 
 
+def _check_group_size(scheme: PackedScheme, k: int, num_groups: int, name: str) -> None:
+    """The layer's scale groups are those the config's group_size makes of its k inputs."""
+    size = scheme.group_size
+    if size is None or any(pattern.match(name) for pattern, _ in scheme.overrides):
+        return  # a `dynamic` override may give the layer its own group size
+    want = 1 if size == -1 else -(-k // size)
+    if num_groups != want:
+        raise ValueError(
+            f"{name}: scales of {num_groups} groups for {k} inputs, but quantization_config "
+            f"group_size {size} makes {want}"
+        )
+
+
 @dataclass(frozen=True)
 class LayerCodes:
     """One layer's integers: W[n, k] = (q[n, k] - zero[n, g]) * scale[n, g], g = groups[k]."""
@@ -251,18 +290,68 @@ class LayerCodes:
         return (self.q - self.zero[:, g]).to(torch.float32) * self.scale[:, g]
 
 
+def _words(n: int, bits: int) -> int:
+    """The int32 words that pack n values of `bits` bits (3 bits: runs of 32 in 3 words)."""
+    return -(-n // 32) * 3 if bits == 3 else -(-n * bits // 32)
+
+
+def _check_parts(parts: dict[str, torch.Tensor], name: str) -> None:
+    """Packed words and group indices are integers; scales are finite floats."""
+    for suffix, t in parts.items():
+        if suffix in ("scales", "weight_scale"):
+            if not t.is_floating_point() or not bool(torch.isfinite(t).all()):
+                raise ValueError(f"{name}.{suffix}: {t.dtype} scales must be finite floats")
+        elif suffix != "weight_shape" and (t.is_floating_point() or t.is_complex()):
+            raise ValueError(f"{name}.{suffix}: packed integers stored as {t.dtype}")
+
+
+def _check_dropped(name: str, t: torch.Tensor) -> None:
+    """A tensor the scheme reads and ignores must be what ignoring it assumes: a g_idx in
+    input order (contiguous groups: no act-order), a symmetric scheme's zero points all 0."""
+    suffix = name.rpartition(".")[2]
+    if suffix in ("g_idx", "weight_g_idx"):
+        g = t.reshape(-1).to(torch.long)
+        if g.numel() > 1 and bool((g[1:] < g[:-1]).any()):
+            field = "desc_act" if suffix == "g_idx" else "actorder"
+            raise ValueError(
+                f"{name}: the groups are in activation order, but quantization_config "
+                f"{field} does not say so"
+            )
+    elif suffix == "weight_zero_point" and t.to(torch.float32).count_nonzero():
+        raise ValueError(
+            f"{name}: nonzero zero points, but quantization_config says the weights are symmetric"
+        )
+
+
 def layer_codes(scheme: PackedScheme, parts: dict[str, torch.Tensor], name: str) -> LayerCodes:
     """One layer's tensors (by suffix, on one device) -> its codes, zero points and scales."""
     bits = scheme.bits_of(name)
+    _check_parts(parts, name)
     if scheme.method in ("gptq", "awq"):
         scales = parts["scales"].to(torch.float32)  # [G, N]
-        n = scales.shape[1]
         qweight, qzeros = parts["qweight"], parts["qzeros"]
+        if scales.dim() != 2 or qweight.dim() != 2 or qzeros.dim() != 2:
+            raise ValueError(
+                f"{name}: qweight {tuple(qweight.shape)}, qzeros {tuple(qzeros.shape)} and "
+                f"scales {tuple(scales.shape)} are not all matrices"
+            )
+        n = scales.shape[1]
+        words = _words(n, bits)
         if scheme.method == "gptq":
             k = qweight.shape[0] * 32 // bits
+            if qzeros.shape[1] != words:
+                raise ValueError(
+                    f"{name}: qzeros {tuple(qzeros.shape)} is not {words} words of {bits}-bit "
+                    f"zero points a row for scales {tuple(scales.shape)}"
+                )
             q = unpack_rows(qweight, bits, k)  # [K, N]
             zeros = unpack_cols(qzeros, bits, n)  # [G, N]
         else:
+            if qweight.shape[1] != words or qzeros.shape[1] != words:
+                raise ValueError(
+                    f"{name}: qweight {tuple(qweight.shape)} and qzeros {tuple(qzeros.shape)} "
+                    f"are not {words} words a row for scales {tuple(scales.shape)}"
+                )
             k = qweight.shape[0]
             order = torch.tensor(_AWQ_ORDER, device=qweight.device)
             # unpack_cols gives nibble i of word j at column 8 j + i: put it at its column
@@ -276,6 +365,7 @@ def layer_codes(scheme: PackedScheme, parts: dict[str, torch.Tensor], name: str)
                 f"{name}: qweight {tuple(qweight.shape)}, qzeros {tuple(qzeros.shape)} and "
                 f"scales {tuple(scales.shape)} do not describe one {bits}-bit weight"
             )
+        _check_group_size(scheme, k, scales.shape[0], name)
         groups = _groups(k, scales.shape[0], parts.get("g_idx"), name).to(q.device)
         return LayerCodes(q.t(), (zeros + scheme.zero_offset).t(), scales.t(), groups)
     # compressed-tensors pack-quantized: signed values stored plus 2**(bits-1); q and the zero
@@ -286,8 +376,12 @@ def layer_codes(scheme: PackedScheme, parts: dict[str, torch.Tensor], name: str)
     n, k = shape
     offset = 1 << (bits - 1)
     packed = parts["weight_packed"]
-    if packed.shape[0] != n or packed.shape[1] * 32 // bits < k:
-        raise ValueError(f"{name}: weight_packed {tuple(packed.shape)} does not hold [{n}, {k}]")
+    # each row padded to whole words, no more (a wider row is another bit width's)
+    if packed.dim() != 2 or packed.shape[0] != n or packed.shape[1] != _words(k, bits):
+        raise ValueError(
+            f"{name}: weight_packed {tuple(packed.shape)} does not hold [{n}, {k}] in "
+            f"{bits}-bit values"
+        )
     q = unpack_cols(packed, bits, k)  # [N, K]
     scale = parts["weight_scale"].to(torch.float32)
     if scale.dim() == 1:
@@ -297,11 +391,13 @@ def layer_codes(scheme: PackedScheme, parts: dict[str, torch.Tensor], name: str)
     if scale.shape[0] != n:
         raise ValueError(f"{name}: weight_scale {tuple(scale.shape)} for [{n}, {k}]")
     if "weight_zero_point" in parts:
-        zero = unpack_rows(parts["weight_zero_point"], bits, n)  # [N, G]
-        if zero.shape != scale.shape:
+        stored = parts["weight_zero_point"]
+        zero = unpack_rows(stored, bits, n)  # [N, G]
+        if zero.shape != scale.shape or stored.shape[0] != _words(n, bits):
             raise ValueError(f"{name}: weight_zero_point does not match weight_scale")
     else:  # symmetric: the signed zero
         zero = torch.full(scale.shape, offset, dtype=torch.int32, device=q.device)
+    _check_group_size(scheme, k, scale.shape[1], name)
     groups = _groups(k, scale.shape[1], parts.get("weight_g_idx"), name).to(q.device)
     return LayerCodes(q, zero, scale.contiguous(), groups)
 
@@ -353,6 +449,7 @@ def unpack_weights(
     for name, t in weights:
         prefix, _, suffix = name.rpartition(".")
         if suffix in scheme.dropped:
+            _check_dropped(name, t)
             continue
         if suffix not in scheme.required:
             yield name, t

@@ -59,9 +59,26 @@ def checkpoint_block_size(config) -> tuple[int, int] | None:
     """The [rows, cols] of a block-wise weight scale, when the config names one."""
     quant = getattr(config, "quantization_config", None)
     size = _get(quant, "weight_block_size") if quant is not None else None
+    field = "weight_block_size"
     for group in (_get(quant, "config_groups") or {}).values() if quant is not None else ():
-        size = size or _get(_get(group, "weights") or {}, "block_structure")
-    return (int(size[0]), int(size[1])) if size else None
+        if not size:
+            size = _get(_get(group, "weights") or {}, "block_structure")
+            field = "block_structure"
+    if not size:
+        return None
+    # two positive integers (a JSON float such as 128.0 counts): the tiles every scale covers
+    if (
+        not isinstance(size, (list, tuple))
+        or len(size) != 2
+        or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and v == int(v) and v > 0
+            for v in size
+        )
+    ):
+        raise ValueError(
+            f"quantization_config {field} {size!r} is not two positive integers [rows, cols]"
+        )
+    return (int(size[0]), int(size[1]))
 
 
 def check_checkpoint_quantization(config, supported: tuple[str, ...] = DEQUANTIZED) -> None:
@@ -116,23 +133,35 @@ def fp8_checkpoint(config) -> bool:
 
 
 def dequantize(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
-    """w [N, K] (fp8 / int8) times its scale: one value, one per row ([N] or [N, 1]), or one
-    per block ([ceil(N / bn), ceil(K / bk)]) -> float32 [N, K]."""
+    """w [N, K] (fp8 / int8) times its scale: one value, one per row ([N] or [N, 1]), one per
+    equal group of each row's inputs ([N, G], G dividing K), or, when `block` (the config's
+    [bn, bk]) is given, exactly one per block ([ceil(N / bn), ceil(K / bk)]) -> float32 [N, K].
+    Any other shape, or a NaN / infinite scale, is a ValueError."""
     n, k = w.shape[-2:]
     out = w.to(torch.float32)
     scale = scale.to(device=w.device, dtype=torch.float32)
-    if scale.numel() == 1:
+    if not bool(torch.isfinite(scale).all()):
+        raise ValueError(f"a weight scale of {tuple(scale.shape)} holds NaN or infinite values")
+    if block is not None:
+        # the config names the tiles: every scale is their grid (never broadcast)
+        bn, bk = block
+        if scale.shape != (-(-n // bn), -(-k // bk)):
+            raise ValueError(
+                f"a block weight scale of {tuple(scale.shape)} does not tile [{n}, {k}] in "
+                f"[{bn}, {bk}] blocks (quantization_config weight_block_size)"
+            )
+    elif scale.numel() == 1:
         return out.mul_(scale.reshape(()))
-    tiles = block is not None and scale.shape == (-(-n // block[0]), -(-k // block[1]))
-    if not tiles and (scale.dim() == 1 or scale.shape[-1] == 1):
+    elif scale.dim() == 1 or (scale.dim() == 2 and scale.shape[-1] == 1):
         if scale.shape[0] != n:
             raise ValueError(f"a per-channel weight scale of {tuple(scale.shape)} for [{n}, {k}]")
         return out.mul_(scale.reshape(n, 1))
-    bn, bk = block or (-(-n // scale.shape[0]), -(-k // scale.shape[1]))
-    if scale.shape != (-(-n // bn), -(-k // bk)):
+    elif scale.dim() == 2 and scale.shape[0] == n and k % scale.shape[1] == 0:
+        bn, bk = 1, k // scale.shape[1]  # groups along each row (compressed-tensors "group")
+    else:  # block scales whose block size no config names: their tiling would be a guess
         raise ValueError(
-            f"a block weight scale of {tuple(scale.shape)} does not tile [{n}, {k}] in "
-            f"[{bn}, {bk}] blocks"
+            f"a weight scale of {tuple(scale.shape)} for [{n}, {k}] is not per tensor, per channel "
+            "or per group of a row, and quantization_config names no weight_block_size"
         )
     full = scale.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
     return out.mul_(full)

@@ -87,6 +87,7 @@ from paged_engine.multimodal.processor import (
     wrapper_config,
 )
 from paged_engine.multimodal.processor_cache import ProcessorCache
+from paged_engine.multimodal.processor_files import ProcessorFileError
 from paged_engine.multimodal.qwen_omni import thinker_config
 from paged_engine.multimodal.video_archs import VideoProcessor, video_processor_class
 from paged_engine.outputs import RequestOutput
@@ -844,6 +845,8 @@ class LLMEngine:
         try:
             return build(self.resolved.path, config, self.tokenizer, cfg.video_limit, cfg)
         except ValueError as e:  # no processor settings a video can use: images only
+            if isinstance(e, ProcessorFileError):  # a broken file: refused, not skipped
+                raise
             logger.warning("%s: videos are not taken: %s", self.resolved.path, e)
             return None
 
@@ -869,7 +872,8 @@ class LLMEngine:
         try:
             return build_audio_host(self.resolved.path, config, self.tokenizer, cfg.audio_limit)
         except ValueError as e:  # no feature extractor saved: the text model only
-            if is_encoder_decoder(self.hf_config):  # (Whisper has no text-only model)
+            # (Whisper has no text-only model; a broken processor file is refused, not skipped)
+            if is_encoder_decoder(self.hf_config) or isinstance(e, ProcessorFileError):
                 raise
             logger.warning("%s: %s; serving without audio", self.resolved.path, e)
             cfg.limit_mm_per_prompt = {**(cfg.limit_mm_per_prompt or {}), "audio": 0}

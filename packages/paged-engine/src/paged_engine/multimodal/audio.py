@@ -30,6 +30,7 @@ import torch
 from paged_engine.multimodal.audio_io import audio_item
 from paged_engine.multimodal.inputs import ImageInput
 from paged_engine.multimodal.layouts import digest, expand_runs
+from paged_engine.multimodal.processor_files import check_processor_files
 
 Loaded = tuple[torch.Tensor, tuple[int, ...] | None, int]  # (features, size, placeholders)
 _FILES = ("preprocessor_config.json", "processor_config.json")
@@ -62,6 +63,7 @@ class AudioProcessor:
 
     def __init__(self, path: Path, config: Any, tokenizer: Any, limit: int | None = None) -> None:
         self.path = Path(path)
+        check_processor_files(self.path)  # broken processor files refused at engine start
         self.config = config
         self.tokenizer = tokenizer
         self.limit = limit  # clips per prompt (limit_mm_per_prompt["audio"]); None: any

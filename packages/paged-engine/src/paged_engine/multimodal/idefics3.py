@@ -36,6 +36,8 @@ def tile_tokens(config) -> int:
     """n: placeholders (= feature rows) of one tile."""
     vision, scale = config.vision_config, int(config.scale_factor)
     side = int(vision.image_size) // int(vision.patch_size)
+    if scale < 1:  # each tile's side / scale patches a side: the pixel shuffle's factor
+        raise ValueError(f"config.scale_factor must be a positive integer, got {scale}")
     if side % scale:
         raise ValueError(f"scale_factor={scale} does not divide the tower's {side} patches a side")
     return (side // scale) ** 2

@@ -56,6 +56,15 @@ class Gemma3Layout(Layout):
         self.boi = int(config.boi_token_index)
         self.eoi = int(config.eoi_token_index)
         boi, soft, eoi = tokenizer.convert_ids_to_tokens([self.boi, placeholder, self.eoi])
+        fields = ("boi_token_index", "image_token_index", "eoi_token_index")
+        for name, token_id, token in zip(
+            fields, (self.boi, placeholder, self.eoi), (boi, soft, eoi)
+        ):
+            if token is None:  # an id past the tokenizer's vocabulary
+                raise ValueError(
+                    f"config.{name} {token_id} is not a token of the checkpoint's tokenizer "
+                    f"({len(tokenizer)} tokens)"
+                )
         self.view_text = f"\n\n{boi}{soft * self.fixed}{eoi}\n\n"
 
     def load(self, run: Run, image: Any, count: int) -> Loaded:

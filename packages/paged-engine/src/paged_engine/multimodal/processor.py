@@ -44,6 +44,7 @@ from paged_engine.multimodal.layouts import (
 from paged_engine.multimodal.llava import image_token_id
 from paged_engine.multimodal.mrope import MropePositions
 from paged_engine.multimodal.processor_cache import ProcessorCache, image_key
+from paged_engine.multimodal.processor_files import check_processor_files
 from paged_engine.multimodal.torch_processors import image_processor
 
 logger = logging.getLogger(__name__)
@@ -180,6 +181,7 @@ class ImageProcessor:
         self, path: Path, config: Any, limit: int | None = None, tokenizer: Any = None
     ) -> None:
         self.path = Path(path)
+        check_processor_files(self.path)  # broken processor files refused at engine start
         self.config = config
         self.image_token_id = image_token_id(config)
         self.kind = image_kind(config)

@@ -25,6 +25,7 @@ from torch import nn
 
 from paged_engine.multimodal.audio import AudioProcessor, Loaded
 from paged_engine.multimodal.inputs import ImageInput
+from paged_engine.multimodal.processor_files import ProcessorFileError
 from paged_engine.multimodal.whisper_encoder import WhisperEncoder, load_audio_weights
 
 
@@ -34,6 +35,21 @@ def output_rows(valid_frames: int) -> int:
 
 
 class Qwen2Audio(AudioProcessor):
+    def __init__(self, path: Any, config: Any, tokenizer: Any, limit: int | None = None) -> None:
+        super().__init__(path, config, tokenizer, limit)
+        # the window the tower takes: 2 * max_source_positions frames of num_mel_bins mels
+        audio, fe = config.audio_config, self.extractor
+        frames, mels = int(fe.nb_max_frames), int(fe.feature_size)
+        if frames != 2 * int(audio.max_source_positions) or mels != int(audio.num_mel_bins):
+            names = ("preprocessor_config.json", "processor_config.json")
+            file = next((self.path / n for n in names if (self.path / n).is_file()), self.path)
+            raise ProcessorFileError(
+                f"{file}: the feature extractor (chunk_length, feature_size) gives windows "
+                f"of {frames} frames of {mels} mels; the audio tower takes "
+                f"{2 * int(audio.max_source_positions)} of {audio.num_mel_bins} "
+                "(audio_config.max_source_positions, num_mel_bins)"
+            )
+
     def placeholder_id(self) -> int:
         return int(self.config.audio_token_id)
 

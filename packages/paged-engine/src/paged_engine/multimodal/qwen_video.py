@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from paged_engine.multimodal.inputs import ImageInput
 from paged_engine.multimodal.layouts import digest, expand_runs
 from paged_engine.multimodal.mrope import MropePositions, mrope_positions
+from paged_engine.multimodal.processor_files import check_processor_files
 
 _DEFAULT_SIZE = {"shortest_edge": 128 * 28 * 28, "longest_edge": 768 * 28 * 28}
 _DEFAULT_FPS = 24.0  # transformers' VideoMetadata.sampled_fps without metadata
@@ -139,6 +140,7 @@ class VideoProcessor:
         self.tokenizer = tokenizer
         self.limit = limit
         self.engine_config = engine_config
+        check_processor_files(Path(path))  # broken processor files refused at engine start
         self._configure(Path(path), config)
 
     def _configure(self, path: Path, config: Any) -> None:

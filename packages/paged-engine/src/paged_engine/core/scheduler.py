@@ -137,6 +137,9 @@ class Scheduler(SeqLifecycle, Preemption, PrefixLookup, StepEmitter, LoneSteps):
         self._drafts: dict[int, list[int]] = {}
         # LoRA: distinct adapters among running requests (the worker has that many slots).
         self.max_loras = max_loras
+        # waiting requests the last schedule passed over because their LoRA adapter would have
+        # exceeded max_loras (vLLM's `deferred` waiting reason; the rest wait for capacity)
+        self.num_passed_for_adapters = 0
         # Hybrid models: each live sequence's recurrent-state row (None: no such state).
         self.state_slots = state_slots
         # Pipeline micro-batching (engine_core.py): requests with a step in flight, which sit
@@ -199,16 +202,6 @@ class Scheduler(SeqLifecycle, Preemption, PrefixLookup, StepEmitter, LoneSteps):
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
-
-    def num_waiting_for_adapters(self) -> int:
-        """Waiting requests the next schedule would pass over because their LoRA adapter would
-        exceed max_loras adapters in the batch (vLLM's `deferred` waiting reason)."""
-        if not (self.max_loras and self.waiting):
-            return 0
-        adapters = self._running_adapters()
-        if len(adapters) < self.max_loras:
-            return 0
-        return sum(1 for req in self.waiting if req.lora_id and req.lora_id not in adapters)
 
     @property
     def num_running_seqs(self) -> int:
@@ -396,6 +389,7 @@ class Scheduler(SeqLifecycle, Preemption, PrefixLookup, StepEmitter, LoneSteps):
             planned += plan
             budget -= sum(n for _, n in plan)
             admitted.append(req)
+        self.num_passed_for_adapters = len(passed)
         if passed:
             self.waiting.extendleft(reversed(passed))
 

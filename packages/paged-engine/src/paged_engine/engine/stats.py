@@ -116,7 +116,7 @@ def engine_stats(engine: LLMEngine) -> EngineStats:
     return EngineStats(
         num_running=sched.num_running,
         num_waiting=sched.num_waiting + core.num_compiling,
-        num_waiting_deferred=core.num_compiling + sched.num_waiting_for_adapters(),
+        num_waiting_deferred=core.num_compiling + sched.num_passed_for_adapters,
         num_total_blocks=bm.num_total_blocks,
         num_used_blocks=bm.num_used_blocks,
         num_free_blocks=bm.num_free_blocks,

@@ -17,6 +17,7 @@ import json
 import math
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -78,9 +79,63 @@ def _read_config(path: str) -> dict:
     if isinstance(r, bool) or not isinstance(r, int) or r < 1:
         raise _refuse(path, f"adapter_config.json has r={r!r}, expected an int >= 1")
     alpha = cfg.get("lora_alpha", 8)
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+    try:  # a JSON integer past float's range raises OverflowError in isfinite
+        finite = math.isfinite(alpha) if isinstance(alpha, (int, float)) else False
+    except OverflowError:
+        finite = False
+    if isinstance(alpha, bool) or not finite:
         raise _refuse(path, f"adapter_config.json has lora_alpha={alpha!r}, expected a number")
     return cfg
+
+
+def _targeted(path: str, cfg: dict) -> Callable[[str], bool]:
+    """Whether PEFT, building the adapter from `cfg`, puts a LoRA layer on module path `key`:
+    PEFT loads a saved tensor only into such a layer (any other tensor is dropped), so the
+    engine must not serve one either. target_modules is a regex (full match) or a list of
+    names (the key or its last parts); exclude_modules likewise; layers_to_transform keeps the
+    list form's matches in those layer indices. No target_modules (PEFT's per-architecture
+    default) or "all-linear" (resolved to names when PEFT saves): every tensor is loaded."""
+
+    def matcher(field: str) -> Callable[[str], bool] | None:
+        spec = cfg.get(field)
+        if spec is None or spec == "all-linear":
+            return None
+        if isinstance(spec, str):
+            try:
+                pattern = re.compile(spec)
+            except re.error as e:
+                raise _refuse(path, f"{field}={spec!r} is not a regular expression: {e}") from e
+            return lambda key: pattern.fullmatch(key) is not None
+        if not isinstance(spec, list) or not all(isinstance(t, str) for t in spec):
+            raise _refuse(path, f"{field}={spec!r}, expected a string or a list of strings")
+        names = set(spec)
+        return lambda key: key in names or any(key.endswith(f".{t}") for t in names)
+
+    target, exclude = matcher("target_modules"), matcher("exclude_modules")
+    layers = cfg.get("layers_to_transform")
+    if isinstance(layers, int) and not isinstance(layers, bool):
+        layers = [layers]
+    elif layers is not None and not (
+        isinstance(layers, list) and all(type(i) is int for i in layers)  # type(): bool is no index
+    ):
+        raise _refuse(path, f"layers_to_transform={layers!r}, expected an int or a list of ints")
+    # With a layers_pattern PEFT finds the index its own way: the index is not checked then.
+    by_layer = bool(layers) and isinstance(cfg.get("target_modules"), list)
+    by_layer = by_layer and not cfg.get("layers_pattern")
+
+    def targeted(key: str) -> bool:
+        if exclude is not None and exclude(key):
+            return False
+        if target is None:
+            return True
+        if not target(key):
+            return False
+        if by_layer and key not in cfg["target_modules"]:
+            m = re.match(r".*\.[^.]*\.(\d+)\.", key)
+            return m is not None and int(m[1]) in layers
+        return True
+
+    return targeted
 
 
 def _read_tensors(path: str) -> dict[str, torch.Tensor]:
@@ -92,9 +147,17 @@ def _read_tensors(path: str) -> dict[str, torch.Tensor]:
 
             return load_file(st)
         if os.path.isfile(pt):
-            return torch.load(pt, map_location="cpu", weights_only=True)
+            tensors = torch.load(pt, map_location="cpu", weights_only=True)
+        else:
+            tensors = None
     except Exception as e:  # a truncated or foreign file: the adapter is bad, not the engine
         raise _refuse(path, f"its weights are unreadable: {e}") from e
+    if tensors is not None:  # a .bin pickles any object: only {name: tensor} is a state dict
+        if not isinstance(tensors, dict) or not all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in tensors.items()
+        ):
+            raise _refuse(path, "adapter_model.bin is not a dict of tensor names to tensors")
+        return tensors
     raise _refuse(path, "it has no adapter_model.safetensors or adapter_model.bin")
 
 
@@ -112,6 +175,15 @@ def read_peft_adapter(path: str, max_rank: int) -> PeftAdapter:
         parts.setdefault(m["module"], {})[m["which"]] = tensor
     if not parts:
         raise _refuse(path, "it holds no LoRA weights")
+    targeted = _targeted(path, cfg)
+    for module in parts:
+        if not targeted(module):
+            raise _refuse(
+                path,
+                f"it holds weights for module {module!r}, which adapter_config.json's "
+                "target_modules / exclude_modules / layers_to_transform leave out (PEFT would "
+                "not load them)",
+            )
     alpha, rslora = float(cfg.get("lora_alpha", 8)), bool(cfg.get("use_rslora", False))
     modules: dict[str, LoRAModule] = {}
     for module, ab in parts.items():

@@ -203,7 +203,14 @@ def attach_draft_model(
     if not runner.parallel.is_last_stage:  # the last stage proposes: it has the features
         return
     with single_stage():  # the proposer is whole there: every layer built and loaded
-        _attach(runner, quantization, resolved, spec)
+        try:
+            _attach(runner, quantization, resolved, spec)
+        except (ValueError, OSError) as e:
+            # a checkpoint that does not fit its config (a weight's shape, a missing weight, no
+            # weight files) is the user's speculative_config.model: the error names it
+            if spec.model is None or (isinstance(e, ValueError) and "speculative_config" in str(e)):
+                raise
+            raise ValueError(f"speculative_config.model={spec.model!r}: {e}") from e
 
 
 def _attach(

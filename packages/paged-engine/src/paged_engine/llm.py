@@ -19,7 +19,7 @@ from paged_engine.beam_search import BeamSearchOutput, BeamSearchSequence
 from paged_engine.classification import ClassificationRequestOutput
 from paged_engine.config import EngineConfig
 from paged_engine.config_views import ModelConfig
-from paged_engine.engine.llm_engine import LLMEngine
+from paged_engine.engine.llm_engine import LLMEngine, model_chat_template
 from paged_engine.engine.request_latency import RequestClock, RequestLatency, request_clock
 from paged_engine.engine.stats import EngineStats
 from paged_engine.logging_setup import configure_default_logging
@@ -248,7 +248,7 @@ class LLM:
                 raise ValueError(
                     "continue_final_message needs the last message to be the assistant's"
                 )
-            template = chat_template or tok.chat_template
+            template = chat_template or model_chat_template(tok, tools)
             mistral = getattr(tok, "mistral_chat", None) if chat_template is None else None
             if mistral is not None:  # tekken.json, no template: mistral_common's ids (vLLM's)
                 # chat_template_kwargs are template variables: no template reads them here

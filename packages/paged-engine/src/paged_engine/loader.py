@@ -268,6 +268,53 @@ def _tokenizer_config(path: Path, trust_remote_code: bool) -> dict[str, Any]:
 
 
 _TOKENIZER_JSON = ("tokenizer_config.json", "special_tokens_map.json")
+_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token")
+
+
+def _check_tokenizer_fields(file: Path, data: dict) -> None:
+    """ValueError naming `file` and the field for what transformers would meet with a bare
+    TypeError / ValueError at load or on every request: special tokens that are neither text
+    nor an AddedToken dict, added_tokens_decoder entries without a decimal id or text content,
+    a non-numeric model_max_length, a chat_template that is no template or list of named ones."""
+    for key in (*_SPECIAL_TOKENS, "mask_token"):
+        value = data.get(key)
+        if not (value is None or isinstance(value, (str, dict))):
+            raise ValueError(
+                f"{file}: {key} must be a string or an AddedToken object, got {value!r:.80}"
+            )
+        if isinstance(value, dict) and not isinstance(value.get("content"), str):
+            raise ValueError(f"{file}: {key} must hold a string 'content', got {value!r:.80}")
+    decoder = data.get("added_tokens_decoder", {})
+    if not isinstance(decoder, dict):
+        raise ValueError(f"{file}: added_tokens_decoder must be an object of id -> token")
+    for key, entry in decoder.items():
+        if not (isinstance(key, str) and key.isdecimal()):
+            raise ValueError(f"{file}: added_tokens_decoder key {key!r:.80} is not a token id")
+        if not isinstance(entry, dict) or not isinstance(entry.get("content"), str):
+            raise ValueError(
+                f"{file}: added_tokens_decoder[{key!r}] must be an object with a string "
+                f"'content', got {entry!r:.80}"
+            )
+    limit = data.get("model_max_length")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float))):
+        raise ValueError(f"{file}: model_max_length must be a number, got {limit!r:.80}")
+    template = data.get("chat_template")
+    named = isinstance(template, list) and all(
+        isinstance(t, dict)
+        and isinstance(t.get("name"), str)
+        and isinstance(t.get("template"), str)
+        for t in template
+    )
+    # (transformers also takes the dict of name -> template a list becomes)
+    named = named or (
+        isinstance(template, dict)
+        and all(isinstance(k, str) and isinstance(v, str) for k, v in template.items())
+    )
+    if not (template is None or isinstance(template, str) or named):
+        raise ValueError(
+            f"{file}: chat_template must be a template string or a list of "
+            f'{{"name": ..., "template": ...}} objects, got {template!r:.80}'
+        )
 
 
 def load_tokenizer(resolved: ResolvedModel, trust_remote_code: bool = False):
@@ -291,14 +338,18 @@ def load_tokenizer(resolved: ResolvedModel, trust_remote_code: bool = False):
 
     path = tokenizer_dir(resolved)  # (Ultravox without one: its text_model_id's)
     for name in _TOKENIZER_JSON:  # a broken file named, before transformers' bare error
-        _check_json_object(path / name)
+        data = _check_json_object(path / name)
+        if data is not None:
+            _check_tokenizer_fields(path / name, data)
     extra = _tokenizer_config(path, trust_remote_code)
     try:
         tokenizer = AutoTokenizer.from_pretrained(
             path, trust_remote_code=trust_remote_code, **extra
         )
-    except (ValueError, TypeError):  # tokenizer.json (large: parsed here only on failure)
+    except (ValueError, TypeError) as e:  # tokenizer.json (large: parsed here only on failure)
         _check_json_object(path / "tokenizer.json")
+        if isinstance(e, TypeError):  # e.g. a special token dict transformers does not take
+            raise ValueError(f"the tokenizer files in {path} cannot be loaded: {e}") from e
         raise
     if getattr(tokenizer, "chat_template", None) is None:  # a VLM's may be its processor's only
         tokenizer.chat_template = processor_chat_template(resolved.path)

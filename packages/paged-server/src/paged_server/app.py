@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from paged_engine.classification import ClassifierInfo
+from paged_engine.engine.llm_engine import model_chat_template
 from paged_engine.pooling import check_truncation
 from paged_server import __version__, answers
 from paged_server.anthropic_api import (
@@ -576,16 +577,21 @@ class OpenAIApp:
                 "own (start it with --trust-request-chat-template to allow request templates)",
                 param,
             )
-        template = request_template or self.chat_template or self.tokenizer.chat_template
+        shown = req.tools is not None and not (
+            self.exclude_tools_when_none and req.tools.choice == "none"
+        )
+        template = request_template or self.chat_template
+        if template is None:  # the model's; of named ones, "tool_use" with tools, else "default"
+            try:
+                template = model_chat_template(self.tokenizer, req.tools.tools if shown else None)
+            except ValueError as e:  # named templates, none of them fitting
+                raise bad_request(str(e), "messages") from None
         if template is None:  # vLLM's per-model fallback (CLIP / SigLIP: each content in turn)
             from paged_engine.multimodal.chat_format import fallback_template
 
             template = fallback_template(self.images)
         if template is None:
             raise bad_request("this model has no chat template", "messages")
-        shown = req.tools is not None and not (
-            self.exclude_tools_when_none and req.tools.choice == "none"
-        )
         if shown:  # the template shows the model its tools
             variables["tools"] = req.tools.tools
         if req.documents is not None:

@@ -216,6 +216,7 @@ class InputProcessor:
     ) -> tuple[str | None, list[int]]:
         """The prompt's text and ids; a text prompt is encoded with `keep` (its
         truncate_prompt_tokens) through pooling.encode_truncated."""
+        media = isinstance(prompt, dict) and bool(prompt.get("multi_modal_data"))
         if isinstance(prompt, dict):
             # As in vLLM: token ids win when both are given; the text is kept for the output.
             text = prompt.get("prompt")
@@ -241,6 +242,16 @@ class InputProcessor:
             max_len = self.config.max_model_len
             assert max_len is not None
             ids = encode_truncated(self.tokenizer, prompt, keep, max_len, generate=generate)
+            # A tokenizer larger than the model (added tokens past config.json's vocab_size):
+            # such an id has no embedding row. (Media placeholders are the media path's.)
+            if not media and ids and max(ids) >= self.vocab_size:
+                bad = sorted({t for t in ids if t >= self.vocab_size})
+                raise ValueError(
+                    f"the prompt holds token(s) {self.tokenizer.convert_ids_to_tokens(bad[:5])} "
+                    f"with ids {bad[:5]} past the model's vocabulary (vocab_size "
+                    f"{self.vocab_size} in config.json): the tokenizer has tokens the model "
+                    "cannot embed"
+                )
             return prompt, ids
         if isinstance(prompt, (list, tuple)):
             if not prompt:

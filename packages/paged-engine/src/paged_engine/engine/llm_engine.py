@@ -782,7 +782,7 @@ class LLMEngine:
         add_generation_prompt: bool = True,
         **kwargs: Any,
     ) -> str:
-        template = chat_template or self.tokenizer.chat_template
+        template = chat_template or model_chat_template(self.tokenizer, kwargs.get("tools"))
         if template is None:
             raise ValueError("the model has no chat template; pass chat_template")
         check_text(messages, "messages")  # rendering would raise a UnicodeEncodeError
@@ -947,6 +947,15 @@ def _think_ids(reasoning_config: dict | None, tokenizer: Any) -> tuple[list[int]
     return ids[0], ids[1]
 
 
+def model_chat_template(tokenizer, tools: list | None = None) -> str | None:
+    """The tokenizer's chat template; of named ones (a dict: tokenizer_config.json's list),
+    transformers' pick: "tool_use" with tools, else "default" (its ValueError where none)."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        return tokenizer.get_chat_template(None, tools)
+    return template
+
+
 def _eos_ids(hf_config, tokenizer, resolved: ResolvedModel) -> set[int]:
     """EOS ids of the config, the tokenizer and generation_config.json (chat models list their
     end-of-turn token there, e.g. Qwen2.5's <|endoftext|> besides <|im_end|>; vLLM stops on all)."""
@@ -958,6 +967,15 @@ def _eos_ids(hf_config, tokenizer, resolved: ResolvedModel) -> set[int]:
             gen_eos = json.loads(gen_path.read_text()).get("eos_token_id")
         except (OSError, ValueError, AttributeError):
             gen_eos = None  # a broken generation config only loses its extra stop ids
+        # Readable but wrong: an id that is no int would be dropped (generation then runs
+        # past where transformers stops, or fails there): refused, as transformers' generate
+        # refuses it on use.
+        items = gen_eos if isinstance(gen_eos, list) else [gen_eos]
+        if any(isinstance(x, bool) or not isinstance(x, int) for x in items if gen_eos is not None):
+            raise ValueError(
+                f"{gen_path}: eos_token_id must be a token id or a list of token ids, got "
+                f"{gen_eos!r:.80}"
+            )
     sources = (getattr(hf_config, "eos_token_id", None), tokenizer.eos_token_id, gen_eos)
     for source in sources:
         if isinstance(source, int):

@@ -16,10 +16,11 @@ from typing import Any
 
 from paged_engine import jina_vl_scoring
 from paged_engine.beam_search import BeamSearchOutput, BeamSearchSequence
+from paged_engine.chat_template import model_chat_template
 from paged_engine.classification import ClassificationRequestOutput
 from paged_engine.config import EngineConfig
 from paged_engine.config_views import ModelConfig
-from paged_engine.engine.llm_engine import LLMEngine, model_chat_template
+from paged_engine.engine.llm_engine import LLMEngine
 from paged_engine.engine.request_latency import RequestClock, RequestLatency, request_clock
 from paged_engine.engine.stats import EngineStats
 from paged_engine.logging_setup import configure_default_logging

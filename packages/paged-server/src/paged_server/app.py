@@ -23,8 +23,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from paged_engine.chat_template import model_chat_template
 from paged_engine.classification import ClassifierInfo
-from paged_engine.engine.llm_engine import model_chat_template
 from paged_engine.pooling import check_truncation
 from paged_server import __version__, answers
 from paged_server.anthropic_api import (

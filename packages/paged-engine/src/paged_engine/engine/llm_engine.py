@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from paged_engine import jina_vl_scoring
+from paged_engine.chat_template import model_chat_template
 from paged_engine.classification import classifier_info, resolve_from_token
 from paged_engine.config import EngineConfig
 from paged_engine.config_views import ModelConfig, VllmConfig
@@ -945,15 +946,6 @@ def _think_ids(reasoning_config: dict | None, tokenizer: Any) -> tuple[list[int]
     if not all(ids):
         raise ValueError(f"reasoning_config: a marker tokenizes to nothing: {reasoning_config}")
     return ids[0], ids[1]
-
-
-def model_chat_template(tokenizer, tools: list | None = None) -> str | None:
-    """The tokenizer's chat template; of named ones (a dict: tokenizer_config.json's list),
-    transformers' pick: "tool_use" with tools, else "default" (its ValueError where none)."""
-    template = getattr(tokenizer, "chat_template", None)
-    if isinstance(template, dict):
-        return tokenizer.get_chat_template(None, tools)
-    return template
 
 
 def _eos_ids(hf_config, tokenizer, resolved: ResolvedModel) -> set[int]:

@@ -59,7 +59,12 @@ def run_inside(
 
 
 def batch_variation(
-    model: str, batch_invariant: bool, sizes: tuple[int, ...], longest: int = 120
+    model: str,
+    batch_invariant: bool,
+    sizes: tuple[int, ...],
+    longest: int = 120,
+    vocab: int = 10000,
+    budget: int = 512,
 ) -> Iterator[int]:
     """Batch sizes whose result for the target differs from the target run alone, lazily (a
     caller after one such size stops at it)."""
@@ -68,13 +73,14 @@ def batch_variation(
         dtype="float32",
         device="cpu",
         max_model_len=512,
-        max_num_batched_tokens=512,  # prompts get chunked inside big batches
+        max_num_batched_tokens=budget,  # prompts get chunked inside big batches
         batch_invariant=batch_invariant,
     )
     rng = random.Random(0)
-    target = [rng.randrange(100, 10000) for _ in range(100)]
-    alone = run_inside(llm, target, 0, rng, longest=longest)
-    return (n for n in sizes if run_inside(llm, target, n, rng, longest=longest) != alone)
+    target = [rng.randrange(3, vocab) for _ in range(100)]
+    kw = {"longest": longest, "vocab": vocab}
+    alone = run_inside(llm, target, 0, rng, **kw)
+    return (n for n in sizes if run_inside(llm, target, n, rng, **kw) != alone)
 
 
 # 33 others of 5..60 tokens: ~1,100 prompt tokens over three 512-token steps (prompts chunked
@@ -90,6 +96,14 @@ def test_without_the_mode_batches_change_the_logprobs(default_model):
     """The check above can fail: on its workload the plain CPU path differs in at least one
     batch (the first one found ends the run)."""
     assert next(batch_variation(default_model, False, CPU_SIZES, CPU_LONGEST), None) is not None
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "bloom"])
+def test_softcapped_and_alibi_attention_bit_identical_in_any_batch(tiny_model_factory, arch):
+    """Gemma 2's soft-capped attention and BLOOM's ALiBi run the CPU backend's explicit float32
+    path (not the fixed-order SDPA one): it too gives the target its logprobs in any batch."""
+    model = str(tiny_model_factory(arch))
+    assert list(batch_variation(model, True, (1, 9), longest=40, vocab=512, budget=64)) == []
 
 
 def triton_variation(

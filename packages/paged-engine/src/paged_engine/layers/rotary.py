@@ -523,11 +523,16 @@ def rope_config(
     if rope_type in ("su", "yarn") and getattr(config, "model_type", None) == "phi3":
         rope_type = params["rope_type"] = "longrope"  # Phi-3's early names for longrope
     scaling = params if rope_type not in (None, "default") else None
-    if scaling is not None and scaling.get("original_max_position_embeddings") is None:
-        # Phi-3 keeps the pre-training length beside the scaling dict (transformers < 5)
-        original = getattr(config, "original_max_position_embeddings", None)
-        if original is not None:
-            scaling["original_max_position_embeddings"] = original
+    # Phi-3 keeps the pre-training length beside the scaling dict. A top-level value wins over
+    # the dict's in one global rope dict (transformers' standardize_rope_params, vLLM's
+    # patch_rope_parameters); a per-layer-type dict keeps its own.
+    original = getattr(config, "original_max_position_embeddings", None)
+    if (
+        scaling is not None
+        and original is not None
+        and (not nested or scaling.get("original_max_position_embeddings") is None)
+    ):
+        scaling["original_max_position_embeddings"] = original
     return float(theta or 10000.0), scaling, float(partial or 1.0)
 
 

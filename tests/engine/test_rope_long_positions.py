@@ -146,7 +146,8 @@ def test_dynamic_ntk_follows_hf_up_to_max_position_and_refuses_past_it(tmp_path:
         tmp_path, "llama", seed=1, max_position_embeddings=48, rope_parameters=rope
     )
     _assert_engine_matches(path, load_hf_model(path), _prompt("dynamic", 20), 28, 48)
-    with pytest.raises(ValueError, match=r"max_model_len=49 exceeds .* max_position_embeddings=48"):
+    refusal = r"max_model_len=49 exceeds .* max_position_embeddings=48; its dynamic NTK rope"
+    with pytest.raises(ValueError, match=refusal):
         LLM(model=str(path), dtype="float32", max_model_len=49)
 
 

@@ -59,7 +59,11 @@ from paged_engine.executor.multiproc import MultiprocExecutor
 from paged_engine.executor.uniproc import UniprocExecutor
 from paged_engine.kv_transfer.config import check_model as check_kv_transfer_model
 from paged_engine.kv_transfer.connector import build_connector
-from paged_engine.layers.rotary import longrope_default_context, scaled_context_limit
+from paged_engine.layers.rotary import (
+    is_dynamic_ntk,
+    longrope_default_context,
+    scaled_context_limit,
+)
 from paged_engine.loader import (
     ResolvedModel,
     apply_hf_overrides,
@@ -896,6 +900,13 @@ class LLMEngine:
             keys = [k for k in CONTEXT_LENGTH_KEYS if getattr(self.hf_config, k, None) == limit]
             origin = f"the config's {keys[0]}={limit}" if keys else f"{limit}"
             scaled = ", stretched by its rope scaling" if stretched != limit else ""
+            if is_dynamic_ntk(self.hf_config):
+                # vLLM would serve it with one base fixed at max_position x factor: angles HF
+                # computes for no sequence
+                scaled += (
+                    "; its dynamic NTK rope grows its base with each sequence's length past "
+                    "it, as HF computes it, which paged does not serve"
+                )
             raise ValueError(
                 f"max_model_len={cfg.max_model_len} exceeds the model's maximum "
                 f"context length {stretched} ({origin}{scaled})"

@@ -711,6 +711,16 @@ def scaled_context_limit(config: Any) -> int | None:
     return int(old_ctx * float(factor)) if factor else None
 
 
+def is_dynamic_ntk(config: Any) -> bool:
+    """A dynamic NTK rope: HF grows its base with each sequence's length past
+    max_position_embeddings, which no fixed table serves; paged serves it up to that length."""
+    try:
+        _, scaling, _ = rope_config(config)
+    except ValueError:  # rope_parameters per layer type
+        return False
+    return bool(scaling) and (scaling.get("rope_type") or scaling.get("type")) == "dynamic"
+
+
 def longrope_default_context(config: Any) -> int | None:
     """A longrope config's original_max_position_embeddings, vLLM's default max_model_len for
     it: at that length the short factors serve every sequence, as HF's do; a longer default

@@ -758,7 +758,7 @@ FALCON_40B = replace(
 def gguf_arch(f: GGUFFile) -> tuple[str, GGUFArch]:
     """(general.architecture, its spec); ValueError naming the supported ones."""
     arch = f.get("general.architecture")
-    if arch not in GGUF_ARCHS:
+    if not isinstance(arch, str) or arch not in GGUF_ARCHS:
         raise ValueError(
             f"unsupported GGUF general.architecture {arch!r}; supported: {sorted(GGUF_ARCHS)}"
         )

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from paged_engine.gguf.archs import GGUF_ARCHS, MAMBA2_FAMILIES, GGUFArch, gguf_arch
-from paged_engine.gguf.hf_config import gguf_to_hf_config, main_layers
+from paged_engine.gguf.hf_config import _kv_heads, _Meta, gguf_to_hf_config, main_layers
 from paged_engine.gguf.reader import GGUFFile
 
 __all__ = ["GGUF_ARCHS", "gguf_to_hf_config", "gguf_weights", "hf_tensor_name", "unpermute_qk"]
@@ -251,26 +251,74 @@ def _deepseek2_kv_b(f: GGUFFile, layer: str, k_b: torch.Tensor) -> torch.Tensor:
     return kv_b.reshape(-1, kv_b.shape[-1])
 
 
+def _check_experts(f: GGUFFile, blocks: int) -> None:
+    """No expert is held twice (a merged tensor beside an old per-expert one), and every layer
+    with a router (`ffn_gate_inp`) holds its experts' up and down matrices, and
+    their gate where the file has gated experts: merged (`ffn_up_exps`) or one tensor per
+    expert (`ffn_up.<e>`, e below the router's rows). A missing part would leave the model's
+    fused expert weights partly unset, with no error from the weight loader."""
+    names = f.tensors
+    for name in names:  # one expert's tensor beside the merged one: two values for it
+        groups = _split(name)
+        if groups is not None and groups[2] is not None and groups[1] in _EXPERT_PARTS:
+            merged = f"blk.{groups[0]}.{groups[1]}_exps.{groups[3]}"
+            if merged in names:
+                raise ValueError(
+                    f"GGUF tensors {merged!r} and {name!r} both hold expert {groups[2]}"
+                )
+    parts = ["ffn_up", "ffn_down"]
+    if any(".ffn_gate_exps." in n or ".ffn_gate.0." in n for n in names):
+        parts.append("ffn_gate")
+    for layer in range(blocks):
+        router = names.get(f"blk.{layer}.ffn_gate_inp.weight")
+        if router is None:
+            continue
+        experts = router.shape[0]
+        for part in parts:
+            merged = f"blk.{layer}.{part}_exps.weight"
+            single = [f"blk.{layer}.{part}.{e}.weight" for e in range(experts)]
+            if merged not in names and not all(n in names for n in single):
+                raise ValueError(
+                    f"GGUF file has the router blk.{layer}.ffn_gate_inp.weight but lacks "
+                    f"{merged} (or {part}.<e> for each of its {experts} experts)"
+                )
+
+
 def gguf_weights(f: GGUFFile) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF checkpoint name, dequantized CPU tensor) for every tensor of a supported GGUF model;
     merged expert tensors come out one expert at a time (views, no copy)."""
     arch, spec = gguf_arch(f)
-    heads = int(f.get(f"{arch}.attention.head_count") or 0)  # 0: Mamba, Mamba2
-    kv_heads = f.get(f"{arch}.attention.head_count_kv", heads)
-    if isinstance(kv_heads, list):  # per layer (LFM2: 0 on conv layers)
-        kv_heads = max(kv_heads)
-    kv_heads = int(kv_heads)
+    meta = _Meta(f, arch)
+    heads = meta.get_int("attention.head_count", 0)  # 0: Mamba, Mamba2
+    kv_heads = _kv_heads(meta, heads)  # per layer: LFM2's 0 on conv layers left out
     linear = _LinearAttn.read(f, arch) if spec.family in ("qwen3next", "qwen35") else None
-    layers = main_layers(f, arch) if f.get(f"{arch}.nextn_predict_layers") else None
+    blocks = meta.get_int("block_count")
+    layers = main_layers(f, arch)  # blocks past it: multi-token-prediction layers, not loaded
+    _check_experts(f, blocks)
+    sources: dict[str, str] = {}  # HF name -> the GGUF tensor it came from
     for name in f.tensors:
         groups = _split(name)
-        if layers is not None and groups is not None and int(groups[0]) >= layers:
+        if groups is not None and int(groups[0]) >= blocks:
+            # llama.cpp refuses tensors it does not load; a dropped layer would run silently
+            raise ValueError(
+                f"GGUF tensor {name!r} is past {arch}.block_count={blocks} (layers 0..{blocks - 1})"
+            )
+        if groups is not None and int(groups[0]) >= layers:
             continue  # a multi-token-prediction layer's tensor (blk.N.nextn.* and the rest)
         hf_name = hf_tensor_name(name, spec)
         if hf_name is None:
             continue
+        if sources.setdefault(hf_name, name) != name:  # two GGUF names of one HF tensor
+            raise ValueError(f"GGUF tensors {sources[hf_name]!r} and {name!r} both hold {hf_name}")
         w = f.tensor(name)
         part = "" if groups is None else groups[1]
+        if spec.permute_qk and part in ("attn_q", "attn_k"):
+            n = heads if part == "attn_q" else kv_heads
+            if w.dim() > 2 or n <= 0 or w.shape[0] % (2 * n):
+                raise ValueError(
+                    f"GGUF tensor {name!r} of shape {tuple(w.shape)} is not {n} heads of rotary "
+                    f"pairs ({arch}.attention.head_count{'_kv' if part == 'attn_k' else ''})"
+                )
         if spec.permute_qk and name.endswith(("attn_q.weight", "attn_q.bias")):
             w = unpermute_qk(w, heads)
         elif spec.permute_qk and name.endswith(("attn_k.weight", "attn_k.bias")):
@@ -308,3 +356,9 @@ def gguf_weights(f: GGUFFile) -> Iterator[tuple[str, torch.Tensor]]:
             yield hf_name, w
     if spec.family == "apertus":
         yield from _xielu_weights(f, arch, spec)
+    # (last, before the weight loader's own missing-weights check, which names HF parameters)
+    absent = sorted(set(range(blocks)) - {int(g[0]) for g in map(_split, f.tensors) if g})
+    if absent:  # the model was built with layers no tensor fills
+        raise ValueError(
+            f"GGUF {arch}.block_count={blocks}, but the file has no blk.{absent[0]}.* tensors"
+        )

@@ -3,6 +3,7 @@ constants.py), with llama.cpp's defaults where its converter leaves a key out.""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from paged_engine.gguf.archs import GGUFArch, gguf_arch
@@ -28,17 +29,40 @@ class _Meta:
 
     def get_int(self, key: str, default: Any = _MISSING) -> Any:
         value = self.get(key, default)
-        if value is None or isinstance(value, int):
+        if value is None or _is_int(value):
             return value
-        if isinstance(value, list) and value and len(set(value)) == 1:  # per-layer, all equal
-            return int(value[0])
-        raise ValueError(f"GGUF metadata {self.arch}.{key}: expected an integer, got {value!r}")
+        # per-layer, all equal: one entry per block (llama.cpp's rule for per-layer arrays)
+        blocks = self.f.get(f"{self.arch}.block_count")
+        if (
+            isinstance(value, list)
+            and len(value) == blocks
+            and len(set(value)) == 1
+            and _is_int(value[0])
+        ):
+            return value[0]
+        raise ValueError(
+            f"GGUF metadata {self.arch}.{key}: expected an integer or one equal integer per "
+            f"layer ({blocks}), got {value!r}"
+        )
 
     def get_float(self, key: str, default: Any = _MISSING) -> Any:
         value = self.get(key, default)
         if value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)):
             return None if value is None else float(value)
         raise ValueError(f"GGUF metadata {self.arch}.{key}: expected a number, got {value!r}")
+
+    def rope_base(self, key: str = "rope.freq_base") -> float:
+        """A rope base (default 10000): positive and finite (0 or inf leaves every frequency
+        0 or 1, a negative one NaN angles)."""
+        value = self.get_float(key, 1e4)
+        if not 0 < value < math.inf:
+            raise ValueError(f"GGUF metadata {self.arch}.{key}={value!r} must be positive")
+        return value
+
+
+def _is_int(value: Any) -> bool:
+    """An integer GGUF value (a bool is its own GGUF type, not a count)."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def gguf_to_hf_config(f: GGUFFile):
@@ -85,7 +109,10 @@ def gguf_to_hf_config(f: GGUFFile):
         eos_token_id=f.get("tokenizer.ggml.eos_token_id"),
         pad_token_id=f.get("tokenizer.ggml.padding_token_id"),
     )
-    rope: dict[str, Any] | None = _rope(meta, f, head_dim)
+    if not spec.family:
+        _check_shapes(meta, f, kwargs, spec)
+    # (Nemotron-H and Jamba have no positional encoding: their rope keys are not read)
+    rope = None if spec.family in ("nemotron_h", "jamba") else _rope(meta, f, head_dim)
     if spec.experts is not None and spec.family in ("", "qwen3next", "qwen35"):
         kwargs.update(_moe(meta, f, arch, layers))
     if spec.family in ("qwen3next", "qwen35"):
@@ -117,6 +144,7 @@ def gguf_to_hf_config(f: GGUFFile):
     if "rope_freqs.weight" in f.tensors:  # Llama 3.1 scaling, baked into per-freq divisors
         kwargs["rope_freq_factors"] = f.tensor("rope_freqs.weight").float().tolist()
     config = getattr(transformers, spec.config_cls)(**kwargs)
+    _check_whole_head_rope(meta, config, rope)
     # Set after construction: transformers >= 5 reads rope settings from rope_parameters (one
     # dict per layer type for Gemma 3), older versions from rope_theta / rope_scaling.
     if rope is None:
@@ -133,6 +161,56 @@ def gguf_to_hf_config(f: GGUFFile):
     return config
 
 
+def _check_shapes(meta: _Meta, f: GGUFFile, kwargs: dict[str, Any], spec: GGUFArch) -> None:
+    """A plain transformer's sizes against its first layer's tensors, as llama.cpp checks each
+    tensor's shape: a ValueError naming the key and the tensor, before a model of other sizes
+    is built."""
+    head_dim = kwargs["head_dim"]
+    moe = spec.experts is not None
+    # (Phi-3's ffn_up is [gate; up] fused, 2 x feed_forward_length: checked with a gate only)
+    gated = "blk.0.ffn_gate.weight" in f.tensors
+    ffn = kwargs["intermediate_size"] if gated and not moe else None
+    experts = meta.get_int("expert_count", None) if moe else None
+    want = {  # tensor: (dim, size (None: not checked), the key it comes from)
+        "token_embd.weight": (1, kwargs["hidden_size"], "embedding_length"),
+        "blk.0.attn_q.weight": (
+            0,
+            kwargs["num_attention_heads"] * head_dim,
+            "attention.head_count / key_length",
+        ),
+        "blk.0.attn_k.weight": (
+            0,
+            kwargs["num_key_value_heads"] * head_dim,
+            "attention.head_count_kv / key_length",
+        ),
+        "blk.0.ffn_up.weight": (0, ffn, "feed_forward_length"),
+        "blk.0.ffn_gate_inp.weight": (0, experts, "expert_count"),
+    }
+    for name, (dim, size, key) in want.items():
+        info = f.tensors.get(name)
+        if size is None or info is None:
+            continue
+        if len(info.shape) != 2 or info.shape[dim] != size:
+            raise ValueError(
+                f"GGUF tensor {name} has shape {list(info.shape)}, but {meta.arch}.{key} "
+                f"makes its {'rows' if dim == 0 else 'columns'} {size}"
+            )
+
+
+def _check_whole_head_rope(meta: _Meta, config: Any, rope: dict[str, Any] | None) -> None:
+    """rope.dimension_count below the head size on a model whose rope turns whole heads
+    (transformers' and ours ignore the fraction, llama.cpp's graph turns only those dims or,
+    for Llama, refuses the file): a ValueError naming the key instead of another model."""
+    from paged_engine.layers.rotary import WHOLE_HEAD_ROPE_MODEL_TYPES
+
+    partial = None if rope is None else rope.get("partial_rotary_factor")
+    if partial is not None and config.model_type in WHOLE_HEAD_ROPE_MODEL_TYPES:
+        raise ValueError(
+            f"GGUF metadata {meta.arch}.rope.dimension_count={meta.get('rope.dimension_count')} "
+            f"is not the head size {config.head_dim}: {config.model_type} rotates whole heads"
+        )
+
+
 def main_layers(f: GGUFFile, arch: str) -> int:
     """The decoder layers the model runs: block_count less the multi-token-prediction layers
     a file may append (`nextn_predict_layers`: GLM-4.7-Flash's converter exports its MTP
@@ -145,22 +223,33 @@ def _kv_heads(meta: _Meta, heads: int) -> int:
     """attention.head_count_kv: one value, or one per layer where attention layers agree and
     other layers (LFM2's short-conv ones) hold 0."""
     value = meta.get("attention.head_count_kv", heads)
+    ok = _is_int(value) or (isinstance(value, list) and value and all(map(_is_int, value)))
+    if not ok:
+        raise ValueError(
+            f"GGUF metadata {meta.arch}.attention.head_count_kv: expected an integer or one per "
+            f"layer, got {value!r}"
+        )
     if isinstance(value, list):
-        kv = {int(v) for v in value if int(v) > 0}
+        kv = {v for v in value if v > 0}
         if len(kv) > 1:
             raise ValueError(
                 f"GGUF metadata {meta.arch}.attention.head_count_kv differs across layers: "
                 f"{value!r}"
             )
         return kv.pop() if kv else heads
-    return int(value)
+    return value
 
 
 def _rope(meta: _Meta, f: GGUFFile, head_dim: int) -> dict[str, Any]:
     """rope_parameters: base, partial rotary (rope.dimension_count), linear / YaRN scaling."""
-    theta = meta.get_float("rope.freq_base", 1e4)
+    theta = meta.rope_base()
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
     dims = meta.get_int("rope.dimension_count", head_dim)
+    if dims < 0 or dims % 2 or dims > head_dim:  # ggml's rope turns pairs within one head
+        raise ValueError(
+            f"GGUF metadata {meta.arch}.rope.dimension_count={dims} must be even, not negative "
+            f"and at most the head size {head_dim}"
+        )
     if dims != head_dim:
         rope["partial_rotary_factor"] = dims / head_dim
     kind = meta.get("rope.scaling.type", "none")
@@ -1068,7 +1157,7 @@ def _falcon_config(meta: _Meta, f: GGUFFile, spec: GGUFArch):
         pad_token_id=c["pad_token_id"],
     )
     config = transformers.FalconConfig(**kwargs)
-    theta = meta.get_float("rope.freq_base", 1e4)
+    theta = meta.rope_base()
     if hasattr(config, "rope_parameters"):
         config.rope_parameters = {"rope_type": "default", "rope_theta": theta}
     else:  # pragma: no cover - transformers 4.x
@@ -1117,7 +1206,7 @@ def _dbrx_config(meta: _Meta, f: GGUFFile, spec: GGUFArch):
     ff = meta.get_int("feed_forward_length", None)
     if ff is None:
         ff = f.tensors["blk.0.ffn_gate_exps.weight"].shape[1]
-    theta = meta.get_float("rope.freq_base", 1e4)
+    theta = meta.rope_base()
     clip = meta.get_float("attention.clamp_kqv", None)
     config = transformers.DbrxConfig(
         architectures=[spec.hf_arch],
@@ -1175,7 +1264,7 @@ def _gemma(meta: _Meta, arch: str, kwargs: dict[str, Any], rope: dict[str, Any])
     kwargs["attn_logit_softcapping"] = None
     kwargs["final_logit_softcapping"] = meta.get_float("final_logit_softcapping", None)
     # Gemma 3: the sliding layers rotate with their own unscaled base
-    local = {"rope_type": "default", "rope_theta": meta.get_float("rope.freq_base_swa", 1e4)}
+    local = {"rope_type": "default", "rope_theta": meta.rope_base("rope.freq_base_swa")}
     return {"full_attention": rope, "sliding_attention": local}
 
 

@@ -89,6 +89,12 @@ class GGUFFile:
                     f"{self.path}: tensor {name!r} offset {offset} is not a multiple of the "
                     f"alignment {alignment}"
                 )
+            block = GGML_TYPES[ggml_type][1]
+            if shape and shape[-1] % block:  # ggml's rule: rows of whole blocks
+                raise ValueError(
+                    f"{self.path}: tensor {name!r} has rows of {shape[-1]} values, not whole "
+                    f"{block}-value blocks of its ggml type"
+                )
             try:
                 nbytes = tensor_nbytes(ggml_type, shape)
             except ValueError as e:
@@ -164,7 +170,10 @@ class GGUFFile:
         from paged_engine.gguf.dequant import dequantize
 
         info = self.tensors[name]
-        return dequantize(self.raw(name), info.ggml_type, info.shape)
+        try:
+            return dequantize(self.raw(name), info.ggml_type, info.shape)
+        except ValueError as e:  # a type we read but cannot dequantize (I32, Q8_K, IQ2_XXS)
+            raise ValueError(f"{self.path}: tensor {name!r}: {e}") from None
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(key, default)

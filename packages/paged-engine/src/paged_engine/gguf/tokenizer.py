@@ -24,7 +24,7 @@ from paged_engine.gguf.spm import spm_backend
 
 logger = logging.getLogger(__name__)
 
-NORMAL, CONTROL, USER_DEFINED = 1, 3, 4
+NORMAL, CONTROL, USER_DEFINED, UNUSED = 1, 3, 4, 5
 # tokenizer.ggml.model -> (default bos, eos, unk ids; default add_bos_token), llama.cpp's
 _DEFAULTS: dict[str, tuple[dict[str, int], bool]] = {
     "gpt2": ({}, False),
@@ -242,6 +242,12 @@ def gguf_tokenizer(f: GGUFFile):
     _check_token_arrays(f, tokens)
     types: list[int] = f.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
     default_ids, default_add_bos = _DEFAULTS[kind]
+    for key in _SPECIAL_IDS:
+        value = f.get(f"tokenizer.ggml.{key}_token_id")
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            raise ValueError(
+                f"{f.path}: GGUF tokenizer.ggml.{key}_token_id={value!r} is not a token id"
+            )
 
     def token_id(key: str) -> int | None:
         # as llama.cpp: a missing or out-of-range id leaves the model type's default
@@ -256,13 +262,21 @@ def gguf_tokenizer(f: GGUFFile):
 
     unk = token("unknown")
     if kind == "gpt2":
-        family = pre_tokenizer_family(f.get("tokenizer.ggml.pre", "default"))
+        pre = f.get("tokenizer.ggml.pre", "default")
+        if not isinstance(pre, str):
+            raise ValueError(f"{f.path}: GGUF tokenizer.ggml.pre={pre!r} is not a name")
+        family = pre_tokenizer_family(pre)
         default_add_bos = family.add_bos
         tok = _byte_level_bpe(f, tokens, types, family)
     else:
         tok = spm_backend(f, tokens, types, unk)
-    add_bos = bool(f.get("tokenizer.ggml.add_bos_token", default_add_bos))
-    add_eos = bool(f.get("tokenizer.ggml.add_eos_token", False))
+    add_bos = _flag(f, "add_bos_token", default_add_bos)
+    add_eos = _flag(f, "add_eos_token", False)
+    template = f.get("tokenizer.chat_template")
+    if template is not None and not isinstance(template, str):  # (a broken one: refused when used)
+        raise ValueError(
+            f"{f.path}: GGUF tokenizer.chat_template is not a string: {template!r:.80}"
+        )
     for key, add in (("bos", add_bos), ("eos", add_eos)):
         if add and token_id(key) is None:  # the file still loads, as before and in llama.cpp
             logger.warning(
@@ -283,10 +297,21 @@ def gguf_tokenizer(f: GGUFFile):
         eos_token=token("eos"),
         unk_token=unk,
         pad_token=token("padding"),
-        chat_template=f.get("tokenizer.chat_template"),
+        chat_template=template,
         clean_up_tokenization_spaces=False,
         model_max_length=int(f.get(f"{f.get('general.architecture')}.context_length", 2048)),
     )
+
+
+_SPECIAL_IDS = ("bos", "eos", "unknown", "padding", "seperator", "cls", "mask")
+
+
+def _flag(f: GGUFFile, key: str, default: bool) -> bool:
+    """A tokenizer.ggml boolean (llama.cpp refuses another type; "false" is not False)."""
+    value = f.get(f"tokenizer.ggml.{key}", default)
+    if not isinstance(value, bool) and value not in (0, 1):
+        raise ValueError(f"{f.path}: GGUF tokenizer.ggml.{key}={value!r} is not a boolean")
+    return bool(value)
 
 
 def _check_token_arrays(f: GGUFFile, tokens: object) -> None:
@@ -305,6 +330,15 @@ def _check_token_arrays(f: GGUFFile, tokens: object) -> None:
                 f"{f.path}: GGUF tokenizer.ggml.{key} has {len(values)} entries for "
                 f"{len(tokens)} tokens"
             )
+    # ids past token_embd's rows: only unused padding (SSM converters pad the list)
+    embedding = f.tensors.get("token_embd.weight")
+    types = f.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
+    rows = embedding.shape[0] if embedding is not None else len(tokens)
+    if any(t != UNUSED for t in types[rows:]):
+        raise ValueError(
+            f"{f.path}: GGUF tokenizer.ggml.tokens has {len(tokens)} tokens but token_embd.weight "
+            f"only {rows} rows (tokens past them must be unused padding)"
+        )
     merges = f.get("tokenizer.ggml.merges")
     if merges is not None and not (
         isinstance(merges, list) and all(isinstance(m, str) and " " in m for m in merges)
@@ -336,9 +370,21 @@ def _byte_level_bpe(f: GGUFFile, tokens: list[str], types: list[int], family: _P
     chars = set(alphabet.values())
     # Tokens are stored byte-level spelled; respell the rare one that is not (raw UTF-8 text).
     spelled = [t if set(t) <= chars else "".join(alphabet[b] for b in t.encode()) for t in tokens]
+    vocab = {t: i for i, t in enumerate(spelled)}
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    # tokenizers refuses a merge of or into a string that is not a token (llama.cpp keeps it
+    # and spells such a result in byte tokens): left out, so the file loads as llama.cpp's does
+    usable = [(a, b) for a, b in pairs if a in vocab and b in vocab and a + b in vocab]
+    if len(usable) < len(pairs):
+        logger.warning(
+            "GGUF tokenizer.ggml.merges: %d of %d merges name a string that is not a token; "
+            "they are left out (text they would merge may tokenize differently from llama.cpp)",
+            len(pairs) - len(usable),
+            len(pairs),
+        )
     bpe = models.BPE(
-        vocab={t: i for i, t in enumerate(spelled)},
-        merges=[tuple(m.split(" ", 1)) for m in merges],
+        vocab=vocab,
+        merges=usable,
         fuse_unk=False,
         byte_fallback=False,
         ignore_merges=family.ignore_merges,

@@ -305,6 +305,40 @@ def test_missing_and_misshapen_weights_named(model_dir, tmp_path):
         _load(model_dir)
 
 
+@pytest.mark.parametrize(
+    ("arch", "dropped", "match"),
+    [
+        # one expert's up (w3) gone: its rows of the fused gate_up would stay uninitialized
+        (
+            "mixtral",
+            ["0.block_sparse_moe.experts.1.w3"],
+            r"experts.gate_up_proj \(shards \['\(1, 1\)'\]",
+        ),
+        # every expert's up gone (GGUF's missing ffn_up_exps, in safetensors)
+        (
+            "olmoe",
+            [f"1.mlp.experts.{e}.up_proj" for e in range(4)],
+            r"layers.1.mlp.experts.gate_up_proj",
+        ),
+        ("qwen2_moe", ["0.mlp.experts.2.down_proj"], r"experts.down_proj \(shards \['2'\]"),
+    ],
+    ids=["one-expert-up", "every-expert-up", "one-expert-down"],
+)
+def test_an_expert_missing_from_a_moe_checkpoint_is_named(
+    tiny_model_factory, tmp_path, arch, dropped, match
+):
+    """Experts come one HF matrix at a time into fused parameters: a checkpoint lacking one
+    expert's matrix loaded before, that expert running on uninitialized memory."""
+    model = Path(shutil.copytree(tiny_model_factory(arch), tmp_path / "model"))
+    file = model / "model.safetensors"
+    header, data = _header(file)
+    for name in dropped:
+        header.pop(f"model.layers.{name}.weight")
+    _rewrite(file, header, data)
+    with pytest.raises(ValueError, match=rf"missing weights .*{match}"):
+        _load(model)
+
+
 def _index(model_dir: Path, shard, raw: str | None = None) -> Path:
     header, _ = _header(model_dir / "model.safetensors")
     index = model_dir / "model.safetensors.index.json"

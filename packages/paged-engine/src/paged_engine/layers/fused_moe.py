@@ -247,6 +247,10 @@ class FusedMoE(nn.Module):
             self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, i, device=device))
             self.gate_up_proj.weight_loader = self._load_gate_up
             self.down_proj.weight_loader = self._load_down
+            # the shards one expert at a time must fill (load_named_weights' missing check)
+            halves = (0, 1) if activation.gated else (1,)
+            self.gate_up_proj.shard_ids = {(e, h) for e in range(num_experts) for h in halves}
+            self.down_proj.shard_ids = set(range(num_experts))
         self.gate_up_proj_bias = self.down_proj_bias = None
         if bias:
             self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, self.halves * i))

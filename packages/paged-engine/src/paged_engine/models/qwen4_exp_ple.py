@@ -154,6 +154,8 @@ class NGramEmbedding(nn.Module):
         # checkpoints hold the table as torch.chunk(table, split_ngram_parts) pieces
         self.chunk_rows = -(-self.rows // int(config.split_ngram_parts))
         self.ngram_embedding.weight.weight_loader = self._load_rows
+        # torch.chunk makes fewer pieces than split_ngram_parts when they do not divide the rows
+        self.ngram_embedding.weight.shard_ids = set(range(-(-self.rows // self.chunk_rows)))
 
     def _load_rows(self, param: nn.Parameter, w: torch.Tensor, shard_id: int | None = None):
         """The whole table, or its checkpoint piece `shard_id` (rows from shard_id *

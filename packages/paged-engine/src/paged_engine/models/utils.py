@@ -59,6 +59,7 @@ def load_named_weights(
     stacked = list(stacked)
     loaded: set[str] = set()
     shards: dict[str, set] = {}  # fused parameter -> the shard ids loaded into it
+    fused_by: dict[str, str] = {}  # fused parameter -> the rule target (r[0]) that routed there
     unexpected: list[str] = []
     for hf_name, tensor in weights:
         name = rename(hf_name)
@@ -93,9 +94,11 @@ def load_named_weights(
                     ) from e
             loaded.add(pname)
             shards.setdefault(pname, set()).add(shard_id)
+            if rule is not None:
+                fused_by[pname] = rule[0]
     missing = sorted(n for n in params if n not in loaded) if strict else []
     if strict:  # a fused weight some of whose shards never came (a checkpoint lacking k_proj)
-        missing += _missing_shards(shards, stacked)
+        missing += _missing_shards(params, shards, fused_by, stacked)
     if unexpected or missing:
         parts = []
         if unexpected:
@@ -106,14 +109,24 @@ def load_named_weights(
     return loaded
 
 
-def _missing_shards(shards: dict[str, set], stacked: list[StackedRule]) -> list[str]:
-    """`name (shard ...)` of each fused `.weight` loaded shard by shard that lacks a shard its
-    rules name (a whole tensor, shard id None, fills it all)."""
+def _missing_shards(
+    params: dict[str, nn.Parameter],
+    shards: dict[str, set],
+    fused_by: dict[str, str],
+    stacked: list[StackedRule],
+) -> list[str]:
+    """`name (shard ...)` of each fused parameter loaded shard by shard that lacks a shard: the
+    ones its `shard_ids` name (a MoE layer's experts: every expert's gate and up, or up alone
+    for non-gated experts, and down; one left out would run on uninitialized memory), else the
+    ones the rules routing into it name (a qkv / gate_up `.weight`). A whole tensor (shard id
+    None) fills it all; biases may lack a shard (Whisper's k_proj has none: its rows stay 0)."""
     out = []
     for pname, got in shards.items():
-        if None in got or not pname.endswith(".weight"):
+        if None in got or pname.endswith("bias"):
             continue
-        want = {r[2] for r in stacked if f".{r[0].strip('.')}." in f".{pname}"}
+        want = getattr(params[pname], "shard_ids", None)
+        if want is None:
+            want = {r[2] for r in stacked if r[0] == fused_by[pname]}
         if want - got:
             out.append(f"{pname} (shards {sorted(map(str, want - got))})")
     return out

@@ -17,6 +17,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from paged_engine.models.st_modules import check_st_modules, st_modules
+
 logger = logging.getLogger(__name__)
 
 
@@ -52,6 +54,13 @@ def encoder_engine_config(config: Any, hf_config: Any, model_dir: Path | None) -
     config.enable_prefix_caching = False  # every position runs: no cached blocks
     config.enforce_eager = True  # it never decodes: no decode graphs to capture
     classifier = arch.endswith("ForSequenceClassification")
+    # a class whose every row is its pooled vector (SPLADE) pools its own way: ST files hold
+    # other modules (SpladePooling); any other embedding model runs each of its modules or none
+    own_pooling = getattr(cls, "pooled_rows", False)
+    if not classifier:
+        sentence_transformers_max_len(config, hf_config, model_dir)
+        if not own_pooling:
+            check_st_modules(model_dir, arch)
     if classifier:
         reads = getattr(cls, "classifier_pooling_type", lambda c: "CLS")(hf_config)
         given = (config.pooler_config or {}).get("pooling_type", reads)
@@ -72,7 +81,8 @@ def encoder_engine_config(config: Any, hf_config: Any, model_dir: Path | None) -
         config.pooler_config = {"normalize": True, **(config.pooler_config or {})}
         config.pooler_config["pooling_type"] = reads
     elif config.pooler_config is None:
-        config.pooler_config = sentence_transformers_pooling(model_dir) or dict(
+        st = None if own_pooling else sentence_transformers_pooling(model_dir)
+        config.pooler_config = st or dict(
             getattr(cls, "default_pooler_config", {"pooling_type": "CLS", "normalize": True})
         )
         logger.info("%s: pooling %s", arch, config.pooler_config)
@@ -95,26 +105,91 @@ def encoder_sep_token(hf_config: Any, tokenizer: Any) -> None:
             hf_config.sep_token_id = sep
 
 
-_ST_MODES = (
-    ("pooling_mode_cls_token", "CLS"),
-    ("pooling_mode_mean_tokens", "MEAN"),
-    ("pooling_mode_lasttoken", "LAST"),
-)
+# sentence-transformers' pooling modes: the ones paged pools (its pooling_type), then the
+# others, which it refuses; the legacy per-mode flags of a Pooling config.json (ST < 5.4)
+_ST_MODES = {"cls": "CLS", "mean": "MEAN", "lasttoken": "LAST"}
+_ST_OTHER_MODES = ("max", "mean_sqrt_len_tokens", "weightedmean")
+_ST_FLAGS = {
+    "pooling_mode_cls_token": "cls",
+    "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_max_tokens": "max",
+    "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+    "pooling_mode_weightedmean_tokens": "weightedmean",
+    "pooling_mode_lasttoken": "lasttoken",
+}
 
 
 def sentence_transformers_pooling(model_dir: Path | None) -> dict | None:
-    """The pooler_config a sentence-transformers model directory describes, or None (no such
-    files, or a pooling mode paged does not run: max, weighted mean)."""
-    if model_dir is None or not (model_dir / "modules.json").is_file():
+    """The pooler_config a sentence-transformers model directory describes, or None (no
+    modules.json, or no Pooling module in it); ValueError naming the file and field when its
+    Pooling config cannot be read or pools other than one of cls / mean / lasttoken (max,
+    mean_sqrt_len_tokens, weightedmean, several modes concatenated, none at all): served
+    another way, its embeddings would differ (pass pooler_config to choose one)."""
+    if model_dir is None:
         return None
+    modules = st_modules(model_dir)
+    pooling = next((m for m in modules if m["type"].endswith("Pooling")), None)
+    if pooling is None:
+        return None
+    where = f"{pooling['path'] or '.'}/config.json"
     try:
-        modules = json.loads((model_dir / "modules.json").read_text())
-        types = [str(m.get("type", "")) for m in modules]
-        pooling = next(m for m in modules if str(m.get("type", "")).endswith("Pooling"))
         cfg = json.loads((model_dir / pooling["path"] / "config.json").read_text())
-    except (OSError, ValueError, StopIteration, KeyError, TypeError, AttributeError):
-        return None
-    chosen = [mode for key, mode in _ST_MODES if cfg.get(key)]
-    if len(chosen) != 1:
-        return None
-    return {"pooling_type": chosen[0], "normalize": any(t.endswith("Normalize") for t in types)}
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{where}: the Pooling module's config cannot be read ({error})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{where}: expected an object, got {type(cfg).__name__}")
+    if "pooling_mode" in cfg:  # sentence-transformers >= 5.4: one name, or a list of them
+        field, given = "pooling_mode", cfg["pooling_mode"]
+        modes = [given] if isinstance(given, str) else given
+    else:
+        field = "pooling_mode_*"
+        modes = [mode for key, mode in _ST_FLAGS.items() if cfg.get(key)]
+    if not (isinstance(modes, list) and len(modes) == 1 and modes[0] in _ST_MODES):
+        raise ValueError(
+            f"{where}: {field} selects {modes!r}; paged pools one of {list(_ST_MODES)} "
+            f"(not {list(_ST_OTHER_MODES)}, several at once, or none): pass pooler_config "
+            "to choose the pooling"
+        )
+    return {
+        "pooling_type": _ST_MODES[modes[0]],
+        "normalize": any(m["type"].endswith("Normalize") for m in modules),
+    }
+
+
+# the files sentence-transformers saves its Transformer module's settings in (vLLM's list)
+_ST_SETTINGS = tuple(
+    f"sentence_{name}_config.json"
+    for name in ("bert", "roberta", "distilbert", "camembert", "albert", "xlm-roberta", "xlnet")
+)
+
+
+def sentence_transformers_max_len(config: Any, hf_config: Any, model_dir: Path | None) -> None:
+    """max_seq_length of sentence-transformers' settings file, as vLLM reads it: the model's
+    context length (max_model_len when none is given, kept within the model's positions);
+    a larger max_model_len is refused by name. ValueError naming the file and field when it
+    is not a positive int."""
+    if model_dir is None:
+        return
+    name = next((n for n in _ST_SETTINGS if (model_dir / n).is_file()), None)
+    if name is None:
+        return
+    try:
+        settings = json.loads((model_dir / name).read_text())
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{name} cannot be read ({error})") from None
+    if not isinstance(settings, dict) or "max_seq_length" not in settings:
+        return  # sentence-transformers' own default: the model's length
+    n = settings["max_seq_length"]
+    if n is None:
+        return
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"{name}: max_seq_length must be a positive int, got {n!r}")
+    from paged_engine.engine.llm_engine import _max_positions
+
+    if config.max_model_len is None:
+        config.max_model_len = min(n, _max_positions(hf_config) or n)
+    elif config.max_model_len > n:
+        raise ValueError(
+            f"max_model_len={config.max_model_len} exceeds max_seq_length={n} of {name} "
+            "(the longest input the model was trained for)"
+        )

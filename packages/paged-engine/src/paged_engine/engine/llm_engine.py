@@ -75,7 +75,11 @@ from paged_engine.loader import (
 )
 from paged_engine.lora.registry import LoRARegistry
 from paged_engine.lora.request import LoRARequest
-from paged_engine.models.base_model import base_model_engine_config, pooling_only
+from paged_engine.models.base_model import (
+    base_model_engine_config,
+    causal_st_engine_config,
+    pooling_only,
+)
 from paged_engine.models.hybrid import num_kv_layers
 from paged_engine.models.st_modules import load_dense_stack
 from paged_engine.models.transformers_backend.selection import select_model_impl
@@ -218,6 +222,8 @@ class LLMEngine:
             if hasattr(self.encoder, "pooled_width"):  # rows projected (EmbeddingGemma 2)
                 width = self.encoder.pooled_width(self.hf_config)
             try:
+                if not self.is_encoder and self.pooling_only is None:  # those read them above
+                    causal_st_engine_config(config, self.hf_config, self.resolved.path)
                 self.st_dense = load_dense_stack(self.resolved.path, width)
             except ValueError as error:
                 if self.serves == "pooling":

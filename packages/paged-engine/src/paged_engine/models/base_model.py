@@ -36,13 +36,11 @@ from torch import nn
 
 from paged_engine.models.gemma3_encoder import bidirectional_gemma3
 from paged_engine.models.sequence_classifier import ZeroLogits
-from paged_engine.models.st_modules import DENSE, st_modules
+from paged_engine.models.st_modules import check_st_modules
 
 logger = logging.getLogger(__name__)
 
 SUFFIX = "Model"
-# sentence-transformers modules (their `type`'s last part) paged runs as they are written
-_ST_SERVED = ("Transformer", "Pooling", "Dense", "Normalize")
 # the base models whose use_bidirectional_attention paged runs (as an encoder)
 _BIDIRECTIONAL = {"Gemma3TextModel": bidirectional_gemma3}
 
@@ -155,17 +153,38 @@ def base_model_engine_config(config: Any, hf_config: Any, model_dir: Path | None
     pooling its files describe when `pooler_config` is not given (else LAST, normalized)."""
     if pooling_only(hf_config) is None or model_dir is None:
         return
-    from paged_engine.engine.encoder import sentence_transformers_pooling
+    from paged_engine.models import get_model_class
 
+    own = getattr(get_model_class(hf_config), "pooled_rows", False)
+    st_engine_config(config, hf_config, model_dir, own_pooling=own)
+
+
+def causal_st_engine_config(config: Any, hf_config: Any, model_dir: Path | None) -> None:
+    """For a model that may also generate (a `*ForCausalLM` such as Qwen3-Embedding) served
+    for embeddings: its sentence-transformers files read as a base model's (vLLM reads them
+    for any model; max_seq_length bounds its generation too, as in vLLM)."""
+    if model_dir is not None:
+        st_engine_config(config, hf_config, model_dir)
+
+
+def st_engine_config(
+    config: Any, hf_config: Any, model_dir: Path, own_pooling: bool = False
+) -> None:
+    """sentence-transformers' files of an embedding model, as vLLM reads them: max_seq_length
+    as its context length; unless the model pools its own way (`own_pooling`: a class whose
+    every row is its pooled vector, SPLADE / GritLM, whose files hold other modules), modules
+    paged does not run refused and the Pooling module's pooling (and Normalize) taken when
+    `pooler_config` is not given."""
+    from paged_engine.engine.encoder import (
+        sentence_transformers_max_len,
+        sentence_transformers_pooling,
+    )
+
+    sentence_transformers_max_len(config, hf_config, model_dir)
+    if own_pooling:
+        return
     arch = ", ".join(getattr(hf_config, "architectures", None) or ["this model"])
-    for module in st_modules(model_dir):
-        kind = str(module.get("type", "")).rsplit(".", 1)[-1]
-        if kind not in _ST_SERVED or (kind == "Dense" and module.get("type") != DENSE):
-            raise ValueError(
-                f"{arch}: modules.json lists sentence-transformers module {module.get('type')!r}"
-                f" ({module.get('path')}), which paged does not run: its embeddings would "
-                f"differ; only {list(_ST_SERVED)} are supported"
-            )
+    check_st_modules(model_dir, arch)
     if config.pooler_config is None:
         found = sentence_transformers_pooling(model_dir)
         if found is not None:

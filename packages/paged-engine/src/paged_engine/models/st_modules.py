@@ -3,6 +3,7 @@ lists after its Pooling module (EmbeddingGemma's 2_Dense 768 -> 3072 and 3_Dense
 LaBSE's tanh Dense), applied to every embedding after pooling and before the Normalize module.
 
     modules.json: [{"type": "sentence_transformers.models.Dense", "path": "2_Dense"}, ...]
+        (sentence-transformers >= 5.4: "sentence_transformers.base.modules.dense.Dense")
     2_Dense/config.json: in_features, out_features, bias (default true), activation_function
     2_Dense/model.safetensors (or pytorch_model.bin): linear.weight [out, in], linear.bias
 
@@ -13,7 +14,11 @@ normalization. The activations run are vLLM's for `torch.nn.modules.*` names: Id
 ReLU, GELU (erf), SiLU, Sigmoid; any other (a custom class, or none named) is refused by name,
 and so are a missing weight file, a shape that disagrees with the config, and a chain whose
 widths do not follow on from the pooled hidden size (vLLM skips such layers; the embeddings
-would differ).
+would differ), NaN or inf in the weights.
+
+modules.json itself is read here for every reader (`st_modules`): a list of objects whose
+`type` and `path` are strings, each path inside the model directory, else ValueError naming
+the entry and field; `check_st_modules` refuses a module paged does not run.
 """
 
 from __future__ import annotations
@@ -26,7 +31,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-DENSE = "sentence_transformers.models.Dense"
+# a Dense module's `type`: as sentence-transformers < 5.4 writes it, and as later versions do
+DENSE = ("sentence_transformers.models.Dense", "sentence_transformers.base.modules.dense.Dense")
+# sentence-transformers modules (their `type`'s last part) paged runs as they are written
+ST_SERVED = ("Transformer", "Pooling", "Dense", "Normalize")
 _TORCH_MODULES = "torch.nn.modules."
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "identity": lambda x: x,
@@ -39,17 +47,51 @@ _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 
 
 def st_modules(model_dir: Path) -> list[dict]:
-    """modules.json's entries ([] without the file, or one that is not a list of objects)."""
+    """modules.json's entries ([] without the file); ValueError naming the file and field when
+    it is not what sentence-transformers reads: a list (or vLLM's {"modules": [...]}) of
+    objects, each with a `type` and a `path` relative to the model directory, inside it."""
     path = model_dir / "modules.json"
     if not path.is_file():
         return []
     try:
         modules = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return []
+    except (OSError, ValueError) as error:
+        raise ValueError(f"modules.json cannot be read ({error})") from None
+    shape = type(modules).__name__
     if isinstance(modules, dict):  # the shape vLLM also reads: {"modules": [...]}
-        modules = modules.get("modules", [])
-    return [m for m in modules if isinstance(m, dict)] if isinstance(modules, list) else []
+        modules, shape = modules.get("modules"), 'object without a "modules" list'
+    if not isinstance(modules, list):
+        raise ValueError(f"modules.json: expected a list of modules, got {shape}")
+    for i, entry in enumerate(modules):
+        if not isinstance(entry, dict):
+            raise ValueError(f"modules.json[{i}]: expected an object, got {entry!r}")
+        for key in ("type", "path"):
+            if not isinstance(entry.get(key), str):
+                raise ValueError(
+                    f"modules.json[{i}].{key}: expected a string, got {entry.get(key)!r}"
+                )
+        folder = Path(entry["path"])
+        if folder.is_absolute() or ".." in folder.parts:
+            raise ValueError(
+                f"modules.json[{i}].path={entry['path']!r}: a module's folder must lie inside "
+                "the model directory"
+            )
+    return modules
+
+
+def check_st_modules(model_dir: Path | None, arch: str) -> None:
+    """ValueError naming a module of modules.json that paged does not run (its embeddings
+    would differ): only Transformer, Pooling, Dense and Normalize are."""
+    if model_dir is None:
+        return
+    for module in st_modules(model_dir):
+        kind = module["type"].rsplit(".", 1)[-1]
+        if kind not in ST_SERVED or (kind == "Dense" and module["type"] not in DENSE):
+            raise ValueError(
+                f"{arch}: modules.json lists sentence-transformers module {module['type']!r}"
+                f" ({module['path']}), which paged does not run: its embeddings would "
+                f"differ; only {list(ST_SERVED)} are supported"
+            )
 
 
 class DenseLayer(nn.Module):
@@ -90,16 +132,18 @@ def load_dense_stack(model_dir: Path | None, hidden_size: int) -> DenseStack | N
     ValueError naming the file and field paged cannot run exactly."""
     if model_dir is None:
         return None
-    entries = [m for m in st_modules(model_dir) if m.get("type") == DENSE]
+    entries = [m for m in st_modules(model_dir) if m["type"] in DENSE]
     layers: list[DenseLayer] = []
     width = hidden_size  # what the pooling hands the first Dense module
     for entry in entries:
-        folder = str(entry.get("path", ""))
+        folder = entry["path"]
         where = f"{folder or '.'}/config.json"
         try:
             config = json.loads((model_dir / folder / "config.json").read_text())
         except (OSError, ValueError) as error:
             raise ValueError(f"{where}: a Dense module's config cannot be read ({error})") from None
+        if not isinstance(config, dict):
+            raise ValueError(f"{where}: expected an object, got {type(config).__name__}")
         n_in, n_out = config.get("in_features"), config.get("out_features")
         if n_in != width or not isinstance(n_out, int) or n_out < 1:
             raise ValueError(
@@ -112,6 +156,8 @@ def load_dense_stack(model_dir: Path | None, hidden_size: int) -> DenseStack | N
                 f"{where}: the weights' shapes {tuple(weight.shape)} do not match "
                 f"in_features={n_in}, out_features={n_out}"
             )
+        if not all(bool(t.isfinite().all()) for t in (weight, bias) if t is not None):
+            raise ValueError(f"{where}: the Dense module's weights hold NaN or inf values")
         layers.append(DenseLayer(where, config, weight, bias))
         width = n_out
     return DenseStack(layers) if layers else None

@@ -263,3 +263,27 @@ def test_a_model_pooling_its_own_way_skips_the_pooling_files(tmp_path) -> None:
     assert llm.llm_engine.config.max_model_len == 40
     (out,) = llm.embed(PROMPTS[1:2], use_tqdm=False)
     assert len(out.outputs.embedding) == 512  # SPLADE's vocabulary-wide vector
+
+
+def test_do_lower_case_lowercases_text_prompts(tmp_path, bert) -> None:
+    """sentence_bert_config.json's do_lower_case: text prompts are tokenized lowercased, as
+    sentence-transformers and vLLM do (the output keeps the text as sent); token ids are not
+    touched. Another value than a bool is refused by name."""
+    path = tmp_path / "m"
+    path.mkdir()
+    for f in bert[0].iterdir():
+        (path / f.name).symlink_to(f)
+    st_files(path, MEAN)
+    settings = path / "sentence_bert_config.json"
+    texts = ["Hello World, THIS is Paged", "hello world, this is paged"]
+    settings.write_text(json.dumps({"max_seq_length": 64, "do_lower_case": False}))
+    cased = LLM(str(path), **KW).embed(texts, pooling_params=RAW, use_tqdm=False)
+    assert cased[0].prompt_token_ids != cased[1].prompt_token_ids  # the tokenizer keeps case
+    settings.write_text(json.dumps({"max_seq_length": 64, "do_lower_case": True}))
+    lowered = LLM(str(path), **KW).embed(texts, pooling_params=RAW, use_tqdm=False)
+    assert lowered[0].prompt_token_ids == cased[1].prompt_token_ids
+    assert lowered[0].outputs.embedding == pytest.approx(cased[1].outputs.embedding, abs=1e-6)
+    assert lowered[0].prompt == texts[0]
+    settings.write_text(json.dumps({"do_lower_case": "yes"}))
+    with pytest.raises(ValueError, match=r"sentence_bert_config\.json: do_lower_case must be"):
+        LLM(str(path), **KW)

@@ -163,22 +163,44 @@ _ST_SETTINGS = tuple(
 )
 
 
+def _st_settings(model_dir: Path | None) -> tuple[str, dict] | None:
+    """(file name, contents) of sentence-transformers' settings file, None without one (or
+    with one that is not an object: sentence-transformers' defaults then)."""
+    if model_dir is None:
+        return None
+    name = next((n for n in _ST_SETTINGS if (model_dir / n).is_file()), None)
+    if name is None:
+        return None
+    try:
+        settings = json.loads((model_dir / name).read_text())
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{name} cannot be read ({error})") from None
+    return (name, settings) if isinstance(settings, dict) else None
+
+
+def sentence_transformers_lower_case(model_dir: Path | None) -> bool:
+    """do_lower_case of sentence-transformers' settings file: its text prompts are lowercased
+    before they are tokenized (as sentence-transformers and vLLM do)."""
+    found = _st_settings(model_dir)
+    if found is None or found[1].get("do_lower_case") in (None, False):
+        return False
+    name, settings = found
+    if settings["do_lower_case"] is not True:
+        raise ValueError(
+            f"{name}: do_lower_case must be true or false, got {settings['do_lower_case']!r}"
+        )
+    return True
+
+
 def sentence_transformers_max_len(config: Any, hf_config: Any, model_dir: Path | None) -> None:
     """max_seq_length of sentence-transformers' settings file, as vLLM reads it: the model's
     context length (max_model_len when none is given, kept within the model's positions);
     a larger max_model_len is refused by name. ValueError naming the file and field when it
     is not a positive int."""
-    if model_dir is None:
-        return
-    name = next((n for n in _ST_SETTINGS if (model_dir / n).is_file()), None)
-    if name is None:
-        return
-    try:
-        settings = json.loads((model_dir / name).read_text())
-    except (OSError, ValueError) as error:
-        raise ValueError(f"{name} cannot be read ({error})") from None
-    if not isinstance(settings, dict) or "max_seq_length" not in settings:
+    found = _st_settings(model_dir)
+    if found is None or "max_seq_length" not in found[1]:
         return  # sentence-transformers' own default: the model's length
+    name, settings = found
     n = settings["max_seq_length"]
     if n is None:
         return

@@ -75,8 +75,11 @@ class InputProcessor:
         embeds_width: int | None = None,
         think_ids: tuple[list[int], list[int]] | None = None,
         encoder_prompts: Any = None,
+        lower_case: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
+        # sentence-transformers' do_lower_case: text prompts are tokenized lowercased
+        self.lower_case = lower_case
         self.default_params = default_params or {}  # params=None: SamplingParams(**these)
         self.config = config
         self.vocab_size = vocab_size
@@ -241,7 +244,8 @@ class InputProcessor:
             check_text(prompt, "prompt")  # the tokenizer would raise a TypeError
             max_len = self.config.max_model_len
             assert max_len is not None
-            ids = encode_truncated(self.tokenizer, prompt, keep, max_len, generate=generate)
+            text = prompt.lower() if self.lower_case else prompt
+            ids = encode_truncated(self.tokenizer, text, keep, max_len, generate=generate)
             # A tokenizer larger than the model (added tokens past config.json's vocab_size):
             # such an id has no embedding row. (Media placeholders are the media path's.)
             if not media and ids and max(ids) >= self.vocab_size:

@@ -42,7 +42,12 @@ from paged_engine.distributed.launch import (
     torchrun_env,
 )
 from paged_engine.distributed.parallel_state import check_model_parallelism
-from paged_engine.engine.encoder import encoder_class, encoder_engine_config, encoder_sep_token
+from paged_engine.engine.encoder import (
+    encoder_class,
+    encoder_engine_config,
+    encoder_sep_token,
+    sentence_transformers_lower_case,
+)
 from paged_engine.engine.encoder_prompt import encoder_prompts  # BART: decoder / encoder
 from paged_engine.engine.generation_defaults import generation_defaults
 from paged_engine.engine.input_processor import InputProcessor
@@ -395,6 +400,8 @@ class LLMEngine:
             audios=audios,
             embeds_width=embedding_width(self.hf_config) if config.enable_prompt_embeds else None,
             think_ids=_think_ids(config.reasoning_config, self.tokenizer),
+            lower_case=not self.resolved.is_gguf
+            and sentence_transformers_lower_case(self.resolved.path),
             encoder_prompts=encoder_prompts(
                 self.hf_config, self.tokenizer, self.vocab_size, self.resolved.path
             ),

@@ -114,9 +114,11 @@ def generation_defaults(
             "with generation_config='vllm' (--generation-config vllm) to ignore the file"
         ) from None
     if defaults:
+        cap = " and max_tokens caps what they ask" if "max_tokens" in defaults else ""
         logger.info(
-            "default sampling parameters from the model's generation config: %s (requests "
-            "override them field by field; generation_config='vllm' ignores them)",
+            "default sampling parameters from the model's generation config: %s (a request's "
+            "own values replace them field by field%s; generation_config='vllm' ignores them)",
             defaults,
+            cap,
         )
     return defaults

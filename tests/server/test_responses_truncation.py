@@ -165,7 +165,7 @@ def test_the_previous_responses_turns_are_dropped_first(srv: SimpleNamespace) ->
     head = [("system", "New rules.")]
     start = _longest_tail(head, history, MAX_LEN - 1)
     assert start > 0 and _sent(srv, second["id"]) == _text(head + history[start:])
-    # the stored conversation is whole: a next turn cuts it again as it needs
+    # input_items lists this request's own input (the stored conversation is the cut one)
     status, _, items = srv.http.request("GET", f"/v1/responses/{second['id']}/input_items")
     assert status == 200 and [d["type"] for d in items["data"]] == ["message"]
 

@@ -11,6 +11,11 @@ conversation starts as templates expect, with a user message. The prompt fits as
 checks it (`check_context`): shorter than max_model_len, and with `max_output_tokens` set, the
 two together no longer than it. The cut is the earliest one that fits, found by bisection: a
 prompt that fits is rendered once, one that does not at most about log2(turns) + 3 times.
+
+A cut conversation is also what the response stores for `previous_response_id`: the turns it
+dropped did not fit, and a next turn only adds to the conversation, so under the same
+max_output_tokens its cut falls there or later. Kept whole, a long chain would grow its stored
+context (and the work of rendering it, every turn) without end.
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ class TurnCuts:
     keep: int  # the leading chat messages every cut keeps
     starts: list[int]  # the message where each cut's kept tail starts, ascending; [0]: all
     media: list[int]  # media[m]: media_refs taken by the chat messages before message m
+    pinned: int  # the leading items (system / developer messages) every cut keeps
+    items: list[int]  # the item where each cut's kept tail starts (items[0] == pinned: all)
 
 
 def turn_cuts(
@@ -65,17 +72,18 @@ def turn_cuts(
         elif it["type"] == "function_call_output" and it["call_id"] in calls:
             parted[calls[it["call_id"]] + 1] += 1
             parted[i + 1] -= 1
-    cuts, open_spans = [keep], 0
+    cuts, at, open_spans = [keep], [pinned], 0
     for u in range(len(items)):
         open_spans += parted[u]
         it = items[u]
         if u > pinned and not open_spans and it["type"] == "message" and it["role"] == "user":
             cuts.append(starts[u])
+            at.append(u)
     media = [0]
     for m in messages:
         parts = m["content"] if isinstance(m["content"], list) else ()
         media.append(media[-1] + sum(p.get("type") in _MEDIA_PARTS for p in parts))
-    return TurnCuts(keep, cuts, media)
+    return TurnCuts(keep, cuts, media, pinned, at)
 
 
 def _misfit(chat: GenerationRequest, n: int, max_model_len: int) -> APIError | None:
@@ -93,9 +101,10 @@ def _fits(chat: GenerationRequest, n: int, max_model_len: int) -> bool:
 
 def fit_prompt(app: OpenAIApp, req: ResponsesRequest) -> Prompt:
     """The request's rendered prompt (`app._chat_prompt`), its oldest turns dropped under
-    truncation "auto" until it fits; `req.chat` is left holding the messages rendered. A 400
-    when even the last turn alone does not fit (naming `input`, or `max_output_tokens` when
-    the prompt fits without it)."""
+    truncation "auto" until it fits; `req.chat` is left holding the messages rendered and
+    `req.context` the items kept (what a stored response continues). A 400 when even the last
+    turn alone does not fit (naming `input`, or `max_output_tokens` when the prompt fits
+    without it)."""
     chat, cuts = req.chat, req.cuts
     full = app._chat_prompt(chat)
     if cuts is None or _fits(chat, len(full[1]), app.max_model_len):
@@ -126,4 +135,6 @@ def fit_prompt(app: OpenAIApp, req: ResponsesRequest) -> Prompt:
             hi, best = mid, got
         else:
             lo = mid
+    # hi >= 1 here (cut 0 is the whole conversation, which did not fit)
+    req.context = req.context[: cuts.pinned] + req.context[cuts.items[hi] :]
     return best if shown == hi else render(hi)

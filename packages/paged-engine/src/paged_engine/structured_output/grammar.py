@@ -30,10 +30,10 @@ from __future__ import annotations
 
 import _thread
 import contextlib
-import functools
 import json
 import re
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -136,10 +136,47 @@ def _check_grammar_size(text: str) -> None:
         )
 
 
-@functools.lru_cache(maxsize=512)
-def _grammar_text(key: str) -> str:
-    """Cached outside the big stack: a hit returns without starting a thread."""
-    return on_big_stack(_build_grammar_text, key)
+class _TextCache:
+    """key -> grammar text, least recently used dropped first past `size` entries or `chars`
+    characters of keys and texts (a key holds the whole constraint: a count alone let 512
+    half-megabyte schemas keep ~0.5 GB). A text alone past `chars` is still kept. Thread-safe
+    (HTTP threads and the compile thread share it); a failed build is not cached."""
+
+    def __init__(self, size: int, chars: int) -> None:
+        self.size, self.chars = size, chars
+        self._lock = threading.Lock()
+        self._texts: OrderedDict[str, str] = OrderedDict()
+        self.held = 0  # characters of the keys and texts held
+
+    def __call__(self, key: str) -> str:
+        with self._lock:
+            text = self._texts.get(key)
+            if text is not None:
+                self._texts.move_to_end(key)
+                return text
+        # built without the lock (other keys are served meanwhile); a hit starts no thread
+        text = on_big_stack(_build_grammar_text, key)
+        with self._lock:
+            if key not in self._texts:
+                self._texts[key] = text
+                self.held += len(key) + len(text)
+                while len(self._texts) > 1 and (
+                    len(self._texts) > self.size or self.held > self.chars
+                ):
+                    old_key, old_text = self._texts.popitem(last=False)
+                    self.held -= len(old_key) + len(old_text)
+        return text
+
+    def __len__(self) -> int:
+        return len(self._texts)
+
+    def cache_clear(self) -> None:
+        with self._lock:
+            self._texts.clear()
+            self.held = 0
+
+
+_grammar_text = _TextCache(size=512, chars=12_000_000)
 
 
 def _build_grammar_text(key: str) -> str:

@@ -36,6 +36,11 @@ from paged_engine.structured_output.thinking_budget import ThinkingBudget
 logger = logging.getLogger(__name__)
 
 _CACHE_SIZE = 256  # compiled grammars kept (least recently used dropped first)
+# ...and at most this many characters of grammar text among them: a compiled grammar holds
+# ~40 bytes of native memory per character of its text (measured: 0.75 MB for a 15k-character
+# JSON schema, 19 MB for a 500k-character one), so 256 large schemas from clients held ~5 GB.
+# 12M characters: ~500 MB, vLLM's bound for its compiled grammars (VLLM_XGRAMMAR_CACHE_MB).
+_CACHE_CHARS = 12_000_000
 
 
 class StructuredOutputManager:
@@ -49,6 +54,8 @@ class StructuredOutputManager:
         self._backend: GrammarBackend | None = None  # built on the compile thread
         self._pool: ThreadPoolExecutor | None = None
         self._cache: OrderedDict[str, Future[GrammarMatcher]] = OrderedDict()
+        self._chars: dict[str, int] = {}  # key -> its grammar text's length (same keys)
+        self.cached_chars = 0  # their sum: at most _CACHE_CHARS but for the newest entry
 
     def new_constraint(
         self,
@@ -71,9 +78,16 @@ class StructuredOutputManager:
         field = f"structured_outputs.{params.kind}"
         if params.kind in ("grammar", "structural_tag") and "<" in text:
             self._check_tokens(text, field)  # special tokens: only the tokenizer can say
-        fut = self._cache[key] = self._thread().submit(self._compile_named, text, field)
-        if len(self._cache) > _CACHE_SIZE:
-            self._cache.popitem(last=False)
+        fut = self._thread().submit(self._compile_named, text, field)
+        self._cache.pop(key, None)  # a failed compile's, replaced
+        self.cached_chars -= self._chars.pop(key, 0)
+        self._cache[key], self._chars[key] = fut, len(text)
+        self.cached_chars += len(text)
+        while len(self._cache) > 1 and (
+            len(self._cache) > _CACHE_SIZE or self.cached_chars > _CACHE_CHARS
+        ):  # the oldest go (requests compiling or running keep their own future)
+            old, _ = self._cache.popitem(last=False)
+            self.cached_chars -= self._chars.pop(old)
         return fut
 
     def _check_tokens(self, text: str, field: str) -> None:

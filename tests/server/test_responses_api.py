@@ -617,6 +617,25 @@ def test_the_store_bounds_the_kept_background_events() -> None:
     assert all(store.get(rid) is not None for rid in ("running", "plain", "no-run", "new"))
 
 
+def test_the_store_bounds_the_kept_conversations() -> None:
+    """Stored conversations hold their media's data URLs: past max_context_chars in all (their
+    strings' characters), the least recently used go, never the one just stored."""
+    store = ResponseStore(capacity=10, max_context_chars=1000)
+    image = {"type": "input_image", "image_url": "data:image/png;base64," + "A" * 378}
+    for rid in ("a", "b"):
+        store.put(StoredResponse({"id": rid}, [{"type": "message", "content": [image]}]))
+    assert len(store) == 2 and store.context_chars == 2 * (
+        400 + len("input_image") + len("message")
+    )
+    assert store.get("a") is not None  # "b" is now the least recently used
+    store.put(StoredResponse({"id": "c"}, [{"type": "message", "content": [image]}]))
+    assert store.get("b") is None and store.get("a") is not None and store.get("c") is not None
+    huge = StoredResponse({"id": "huge"}, [{"type": "message", "content": "x" * 5000}])
+    store.put(huge)  # alone past the bound: kept, everything older goes
+    assert [rid for rid in "ac" if store.get(rid)] == [] and store.get("huge") is huge
+    assert store.delete("huge") and store.context_chars == 0
+
+
 # ---- the official client on a real model ---------------------------------------------------
 def test_openai_client_on_a_real_model_matches_chat_completions(real_server: ServerProc) -> None:
     client = openai.OpenAI(base_url=real_server.url + "/v1", api_key="EMPTY", max_retries=0)

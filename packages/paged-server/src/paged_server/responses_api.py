@@ -49,6 +49,11 @@ MAX_STORED = 1000
 # token: 1000 responses of 32k tokens would hold ~8 GB); past it the least recently used
 # finished ones are dropped first, as past MAX_STORED.
 MAX_EVENT_BYTES = 1 << 30
+# The stored conversations, all together, in characters of their strings: an image turn holds
+# its data URL (up to the 16 MiB body limit), so 1000 stored turns of a vision model could
+# hold ~16 GB. Counted per response (a chain's turns share their earlier items' strings, so
+# this overcounts: never undercounts); past it the least recently used go first.
+MAX_CONTEXT_CHARS = 1 << 30
 
 
 def _new_id(prefix: str) -> str:
@@ -62,33 +67,72 @@ class StoredResponse:
     context: list[dict[str, Any]]  # normalized items: every input so far and this output
     input_items: list[dict[str, Any]] = field(default_factory=list)  # as input_items lists them
     run: response_background.BackgroundRun | None = None  # a background response's
+    chars: int = 0  # the characters of its context's and input items' strings (set by put)
+
+
+def _chars(value: Any) -> int:
+    """The characters of the strings inside a JSON-like value (media data URLs dominate)."""
+    total, stack = 0, [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            total += len(v)
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return total
 
 
 class ResponseStore:
-    """The newest `capacity` stored responses (least recently used dropped first), their kept
-    background events at most `max_event_bytes` in all: checked as a response is stored, the
-    least recently used finished runs' responses dropped until the sum fits (a running one's
-    events still grow; the count bounds those)."""
+    """The newest `capacity` stored responses (least recently used dropped first), their
+    conversations at most `max_context_chars` characters in all and their kept background
+    events at most `max_event_bytes`: checked as a response is stored, the least recently used
+    dropped until both sums fit (never the one stored; for events only finished runs: a
+    running one's events still grow, the count bounds those)."""
 
-    def __init__(self, capacity: int = MAX_STORED, max_event_bytes: int = MAX_EVENT_BYTES) -> None:
+    def __init__(
+        self,
+        capacity: int = MAX_STORED,
+        max_event_bytes: int = MAX_EVENT_BYTES,
+        max_context_chars: int = MAX_CONTEXT_CHARS,
+    ) -> None:
         self.capacity = capacity
         self.max_event_bytes = max_event_bytes
+        self.max_context_chars = max_context_chars
         self._items: OrderedDict[str, StoredResponse] = OrderedDict()
+        self.context_chars = 0  # the sum of the stored responses' `chars`
         self._lock = threading.Lock()  # HTTP threads share it
 
     def put(self, stored: StoredResponse) -> None:
+        stored.chars = _chars(stored.context) + _chars(stored.input_items)
+        rid = stored.body["id"]
         with self._lock:
-            self._items[stored.body["id"]] = stored
+            self._drop(rid)  # a background response stored again as it ends
+            self._items[rid] = stored
+            self.context_chars += stored.chars
             while len(self._items) > self.capacity:
-                self._items.popitem(last=False)
-            runs = [(rid, s.run) for rid, s in self._items.items() if s.run is not None]
+                self._drop(next(iter(self._items)))
+            for old in list(self._items):  # least recently used first
+                if self.context_chars <= self.max_context_chars:
+                    break
+                if old != rid:
+                    self._drop(old)
+            runs = [(old, s.run) for old, s in self._items.items() if s.run is not None]
             total = sum(run.event_bytes for _, run in runs)
-            for rid, run in runs:  # least recently used first
+            for old, run in runs:  # least recently used first
                 if total <= self.max_event_bytes:
                     break
-                if run.ended and rid != stored.body["id"]:
-                    del self._items[rid]
+                if run.ended and old != rid:
+                    self._drop(old)
                     total -= run.event_bytes
+
+    def _drop(self, rid: str) -> bool:
+        """Forget `rid` (the lock held); whether it was stored."""
+        gone = self._items.pop(rid, None)
+        if gone is not None:
+            self.context_chars -= gone.chars
+        return gone is not None
 
     def get(self, rid: str) -> StoredResponse | None:
         with self._lock:
@@ -99,7 +143,7 @@ class ResponseStore:
 
     def delete(self, rid: str) -> bool:
         with self._lock:
-            return self._items.pop(rid, None) is not None
+            return self._drop(rid)
 
     def __len__(self) -> int:
         return len(self._items)

@@ -52,13 +52,14 @@ def load_named_weights(
 
     Each HF name goes through `rename`, then `convert` (which may split one tensor into several,
     e.g. a fused qkv), then `skip`; `stacked` rules route it to a fused parameter's
-    `weight_loader` with a shard id. Raises ValueError naming unexpected weights, and missing
-    ones when `strict` (a whole checkpoint; False: an update of some of the weights).
+    `weight_loader` with a shard id. Raises ValueError naming unexpected weights, weights that
+    fill what an earlier one filled (two names for one parameter or shard: the last would win),
+    and missing ones when `strict` (a whole checkpoint; False: an update of some of the weights).
     """
     params = dict(model.named_parameters())
     stacked = list(stacked)
     loaded: set[str] = set()
-    shards: dict[str, set] = {}  # fused parameter -> the shard ids loaded into it
+    shards: dict[str, dict] = {}  # parameter -> {shard id loaded (None: whole): its HF name}
     fused_by: dict[str, str] = {}  # fused parameter -> the rule target (r[0]) that routed there
     unexpected: list[str] = []
     for hf_name, tensor in weights:
@@ -78,6 +79,19 @@ def load_named_weights(
                 if not (pname.endswith(".bias") and not torch.any(w)):
                     unexpected.append(hf_name)
                 continue
+            got = shards.setdefault(pname, {})
+            # a whole tensor overlaps every shard; a shard overlaps the whole and itself
+            earlier = got.get(shard_id) or (got.get(None) if shard_id is not None else None)
+            if earlier is None and shard_id is None and got:
+                earlier = next(iter(got.values()))
+            if earlier is not None:
+                what = (
+                    f"holds {hf_name!r} twice (in two files?)"
+                    if earlier == hf_name
+                    else f"weights {earlier!r} and {hf_name!r} both load {pname!r}"
+                )
+                shard = "" if shard_id is None else f" (shard {shard_id!r})"
+                raise ValueError(f"{type(model).__name__}: checkpoint {what}{shard}")
             loader = getattr(param, "weight_loader", default_weight_loader)
             with torch.no_grad():
                 # `w` as read (maybe another dtype, maybe a view of the mapped file): loaders
@@ -93,7 +107,7 @@ def load_named_weights(
                         f"of shape {list(param.shape)}: {e}"
                     ) from e
             loaded.add(pname)
-            shards.setdefault(pname, set()).add(shard_id)
+            got[shard_id] = hf_name
             if rule is not None:
                 fused_by[pname] = rule[0]
     missing = sorted(n for n in params if n not in loaded) if strict else []
@@ -111,24 +125,24 @@ def load_named_weights(
 
 def _missing_shards(
     params: dict[str, nn.Parameter],
-    shards: dict[str, set],
+    shards: dict[str, dict],
     fused_by: dict[str, str],
     stacked: list[StackedRule],
 ) -> list[str]:
     """`name (shard ...)` of each fused parameter loaded shard by shard that lacks a shard: the
     ones its `shard_ids` name (a MoE layer's experts: every expert's gate and up, or up alone
     for non-gated experts, and down; one left out would run on uninitialized memory), else the
-    ones the rules routing into it name (a qkv / gate_up `.weight`). A whole tensor (shard id
-    None) fills it all; biases may lack a shard (Whisper's k_proj has none: its rows stay 0)."""
+    ones the rules routing into it name (a qkv / gate_up `.weight` or `.bias`: a bias lacking
+    q_proj.bias would run on uninitialized rows). A whole tensor (shard id None) fills it all."""
     out = []
     for pname, got in shards.items():
-        if None in got or pname.endswith("bias"):
+        if None in got:
             continue
         want = getattr(params[pname], "shard_ids", None)
         if want is None:
             want = {r[2] for r in stacked if r[0] == fused_by[pname]}
-        if want - got:
-            out.append(f"{pname} (shards {sorted(map(str, want - got))})")
+        if want - set(got):
+            out.append(f"{pname} (shards {sorted(map(str, want - set(got)))})")
     return out
 
 

@@ -184,13 +184,15 @@ class SharedBlockLM(CausalLMBase):
             for name, w in stream:
                 if self._SHARED.match(name) is not None:
                     seen = first.setdefault(self.rename_weight(name), (name, w))
-                    if seen[1] is not w and not torch.equal(seen[1], w):
-                        raise ValueError(
-                            f"{self.family}: checkpoint weights {seen[0]!r} and {name!r} differ, "
-                            f"but both belong to {self.block_why} under tie_word_embeddings="
-                            "True; set tie_word_embeddings=False in the config to serve a block "
-                            "per layer (as transformers 5 builds then)"
-                        )
+                    if seen[1] is not w:
+                        if not torch.equal(seen[1], w):
+                            raise ValueError(
+                                f"{self.family}: checkpoint weights {seen[0]!r} and {name!r} "
+                                f"differ, but both belong to {self.block_why} under "
+                                "tie_word_embeddings=True; set tie_word_embeddings=False in the "
+                                "config to serve a block per layer (as transformers 5 builds then)"
+                            )
+                        continue  # an equal copy: the first one loads the module
                 yield name, w
 
         return super().load_weights(checked(weights), strict)

@@ -84,28 +84,29 @@ def load_named_weights(
             earlier = got.get(shard_id) or (got.get(None) if shard_id is not None else None)
             if earlier is None and shard_id is None and got:
                 earlier = next(iter(got.values()))
-            if earlier is not None:
-                what = (
-                    f"holds {hf_name!r} twice (in two files?)"
-                    if earlier == hf_name
-                    else f"weights {earlier!r} and {hf_name!r} both load {pname!r}"
-                )
-                shard = "" if shard_id is None else f" (shard {shard_id!r})"
-                raise ValueError(f"{type(model).__name__}: checkpoint {what}{shard}")
             loader = getattr(param, "weight_loader", default_weight_loader)
+            # a second tensor for what is loaded: an equal copy (a module shared under two
+            # names, as Phi-3-vision's `wte` and its embedding) is passed over, another refused
+            target = param if earlier is None else nn.Parameter(param.detach().clone(), False)
             with torch.no_grad():
                 # `w` as read (maybe another dtype, maybe a view of the mapped file): loaders
                 # copy_ their slice, which converts only that slice.
                 try:
                     if shard_id is None:
-                        loader(param, w)
+                        loader(target, w)
                     else:
-                        loader(param, w, shard_id)
+                        loader(target, w, shard_id)
                 except (ValueError, RuntimeError) as e:  # RuntimeError: a narrow out of range
+                    if earlier is not None:
+                        raise _twice(model, earlier, hf_name, pname, shard_id) from e
                     raise ValueError(
                         f"cannot load weight {hf_name!r} of shape {list(w.shape)} into {pname!r} "
                         f"of shape {list(param.shape)}: {e}"
                     ) from e
+            if earlier is not None:
+                if target.device.type != "meta" and torch.equal(target, param):
+                    continue
+                raise _twice(model, earlier, hf_name, pname, shard_id)
             loaded.add(pname)
             got[shard_id] = hf_name
             if rule is not None:
@@ -121,6 +122,17 @@ def load_named_weights(
             parts.append(f"missing weights {_short(missing)}")
         raise ValueError(f"{type(model).__name__}: checkpoint does not match: " + "; ".join(parts))
     return loaded
+
+
+def _twice(model: nn.Module, earlier: str, hf_name: str, pname: str, shard_id) -> ValueError:
+    """The refusal of a second, different checkpoint tensor for what `earlier` loaded."""
+    what = (
+        f"holds {hf_name!r} twice (in two files?)"
+        if earlier == hf_name
+        else f"weights {earlier!r} and {hf_name!r} both load {pname!r}"
+    )
+    shard = "" if shard_id is None else f" (shard {shard_id!r})"
+    return ValueError(f"{type(model).__name__}: checkpoint {what}{shard}, with other values")
 
 
 def _missing_shards(
